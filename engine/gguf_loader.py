@@ -1,0 +1,111 @@
+"""GGUF files of the llama architecture: config, tokenizer and dequantized weights.
+
+Weights are dequantized at load with the `gguf` package. llama.cpp's converter permutes the rows
+of the Q and K projections from Hugging Face's rotate-half RoPE layout into its interleaved
+layout; `unpermute` undoes it so the weights fit this engine's (HF) RoPE.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from engine.model_config import ModelConfig, UnsupportedModel
+
+LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def _reader(path: str):
+    import gguf
+    return gguf.GGUFReader(path)
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def gguf_config(reader, path: str) -> dict:
+    """An HF-style config dict from GGUF metadata."""
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise UnsupportedModel(f"{path}: GGUF architecture {arch!r} is not supported (only 'llama')")
+    p = "llama."
+    heads = _field(reader, p + "attention.head_count")
+    hidden = _field(reader, p + "embedding_length")
+    vocab = _field(reader, p + "vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    names = {t.name for t in reader.tensors}
+    cfg = {
+        "architectures": ["LlamaForCausalLM"], "vocab_size": vocab, "hidden_size": hidden,
+        "intermediate_size": _field(reader, p + "feed_forward_length"),
+        "num_hidden_layers": _field(reader, p + "block_count"), "num_attention_heads": heads,
+        "num_key_value_heads": _field(reader, p + "attention.head_count_kv", heads),
+        "head_dim": _field(reader, p + "rope.dimension_count", hidden // heads),
+        "rms_norm_eps": _field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5),
+        "rope_theta": _field(reader, p + "rope.freq_base", 10000.0),
+        "max_position_embeddings": _field(reader, p + "context_length", 2048),
+        "tie_word_embeddings": "output.weight" not in names,
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+    }
+    if _field(reader, p + "rope.scaling.type") not in (None, "none"):
+        raise UnsupportedModel(f"{path}: GGUF rope scaling is not supported")
+    return cfg
+
+
+def unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Inverse of llama.cpp's permute: rows (heads, D/2, 2) -> (heads, 2, D/2)."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def gguf_tensors(reader, cfg: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 tensor) for every weight in the file."""
+    from gguf.quants import dequantize
+    for t in reader.tensors:
+        base, _, suffix = t.name.rpartition(".")
+        parts = base.split(".")
+        if parts[0] == "blk":
+            name = f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.{suffix}"
+        elif base in TOP_NAMES:
+            name = f"{TOP_NAMES[base]}.{suffix}"
+        else:
+            continue  # e.g. rope_freqs: derived from the config here
+        w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))  # own, writable copy
+        if name.endswith("q_proj.weight"):
+            w = unpermute(w, cfg["num_attention_heads"])
+        elif name.endswith("k_proj.weight"):
+            w = unpermute(w, cfg["num_key_value_heads"])
+        yield name, w
+
+
+def gguf_tokenizer_dir(path: str, cache_root: str) -> str:
+    """A folder with tokenizer.json / tokenizer_config.json / chat_template.jinja converted from
+    the GGUF's tokenizer (by transformers, once; cached by file identity)."""
+    st = os.stat(path)
+    key = hashlib.sha256(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    out = os.path.join(cache_root, "gguf-tokenizers", key)
+    if not os.path.exists(os.path.join(out, "tokenizer.json")):
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                            gguf_file=os.path.basename(path))
+        tmp = out + ".part"
+        tok.save_pretrained(tmp)
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        os.replace(tmp, out)
+    return out
+
+
+def load_gguf(path: str) -> tuple[ModelConfig, dict, Iterator[tuple[str, torch.Tensor]]]:
+    reader = _reader(path)
+    cfg = gguf_config(reader, path)
+    return ModelConfig.from_hf(cfg, path), cfg, gguf_tensors(reader, cfg)

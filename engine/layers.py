@@ -1,0 +1,88 @@
+"""Building blocks shared by model families: linear with CPU weight prepacking, RMSNorm, RoPE."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b). On the CPU in float32/bfloat16, `prepack()` reorders W once into
+    oneDNN's blocked layout: about twice as fast as F.linear for the skinny matrices of decoding
+    on these machines (bench/bench_decode.py measures it)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self._packed: torch.Tensor | None = None
+
+    def prepack(self) -> bool:
+        w = self.weight
+        if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) or not _onednn_ok():
+            return False
+        self._packed = torch.ops.mkldnn._reorder_linear_weight(w.data, 1)
+        return True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def _onednn_ok() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2] in float64, with linear or llama3 scaling."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    kind = scaling.get("rope_type", "default")
+    if kind == "linear":
+        return inv / scaling["factor"]
+    if kind == "llama3":
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+        factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        smooth = (old_len / wavelen - lo) / (hi - lo)
+        blended = (1 - smooth) * inv / factor + smooth * inv
+        scaled = torch.where(wavelen > old_len / lo, inv / factor, inv)
+        medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
+        return torch.where(medium, blended, scaled)
+    return inv
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style (rotate-half) RoPE with cos/sin tables looked up once per forward."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict,
+                 table_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64),
+                            rope_inv_freq(head_dim, theta, scaling))  # [P, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
+        self.register_buffer("cos_table", emb.cos().to(table_dtype), persistent=False)
+        self.register_buffer("sin_table", emb.sin().to(table_dtype), persistent=False)
+
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos_table[positions].to(dtype), self.sin_table[positions].to(dtype)  # [T, D]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D]; cos, sin: [T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]

@@ -1,0 +1,146 @@
+"""Load a model: a Hugging Face directory (safetensors, sharded or not) or a llama GGUF file.
+
+Both sources yield (HF parameter name, tensor) pairs; `load_weights` fuses q/k/v and gate/up
+into this engine's layout and checks that every parameter was filled exactly once.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from engine.default_model import cache_dir, default_model_path
+from engine.model_config import ModelConfig
+from engine.models.llama import LlamaForCausalLM
+from engine.tokenizer import Tokenizer
+
+
+class ModelLoadError(ValueError):
+    pass
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: Tokenizer | None
+    eos_token_ids: frozenset[int]
+    name: str
+    path: str
+
+
+def resolve_model_path(model: str | None) -> str:
+    if model in (None, "", "default"):
+        return default_model_path()
+    if not os.path.exists(model):
+        raise ModelLoadError(f"model path {model!r} does not exist (give a Hugging Face model "
+                             f"directory or a .gguf file; nothing is downloaded from a hub)")
+    return model
+
+
+def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
+               skip_tokenizer: bool = False) -> LoadedModel:
+    path = resolve_model_path(model)
+    if os.path.isdir(path):
+        cfg, raw, tensors, tok_dir = _hf_source(path)
+    elif path.endswith(".gguf"):
+        from engine.gguf_loader import gguf_tokenizer_dir, load_gguf
+        cfg, raw, tensors = load_gguf(path)
+        tok_dir = None if skip_tokenizer else gguf_tokenizer_dir(path, cache_dir())
+    else:
+        raise ModelLoadError(f"{path}: not a directory and not a .gguf file")
+    rope_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    net = LlamaForCausalLM(cfg, rope_dtype)
+    load_weights(net, tensors, dtype)
+    net.to(device)
+    tokenizer = None if skip_tokenizer else Tokenizer.from_dir(tok_dir)
+    eos = _eos_ids(raw, path if os.path.isdir(path) else None, tokenizer)
+    name = os.path.basename(os.path.normpath(path))
+    if model in (None, "", "default"):
+        from engine.default_model import MODEL_NAME
+        name = MODEL_NAME
+    return LoadedModel(net.eval(), cfg, tokenizer, eos, name, path)
+
+
+def _hf_source(path: str):
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.exists(cfg_file):
+        raise ModelLoadError(f"{path}: missing config.json")
+    with open(cfg_file) as f:
+        raw = json.load(f)
+    cfg = ModelConfig.from_hf(raw, cfg_file)
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ModelLoadError(f"{path}: no *.safetensors weight files (pytorch_model.bin is not loaded; "
+                             f"convert it to safetensors)")
+    return cfg, raw, _safetensors(files), path
+
+
+def _safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+def load_weights(net: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype) -> None:
+    params = dict(net.named_parameters())
+    pending: dict[str, dict[int, torch.Tensor]] = {}
+    filled: set[str] = set()
+    for name, w in tensors:
+        if "rotary_emb" in name:
+            continue
+        parts = name.split(".")
+        if len(parts) >= 2 and parts[-2] in FUSED:
+            fused, index = FUSED[parts[-2]]
+            target = ".".join(parts[:-2] + [fused, parts[-1]])
+            pending.setdefault(target, {})[index] = w
+            if len(pending[target]) < (3 if fused == "qkv_proj" else 2):
+                continue
+            w = torch.cat([part for _, part in sorted(pending.pop(target).items())], 0)  # q,k,v / gate,up
+            name = target
+        _assign(params, filled, name, w, dtype)
+    if net.config.tie_word_embeddings:
+        net.lm_head.weight = net.model.embed_tokens.weight
+        filled.add("lm_head.weight")
+    missing = sorted(set(params) - filled)
+    if missing or pending:
+        raise ModelLoadError(f"weights missing from the checkpoint: {(missing + sorted(pending))[:8]}")
+
+
+def _assign(params: dict, filled: set, name: str, w: torch.Tensor, dtype: torch.dtype) -> None:
+    if name not in params:
+        raise ModelLoadError(f"unexpected weight {name!r} in the checkpoint")
+    p = params[name]
+    if tuple(p.shape) != tuple(w.shape):
+        raise ModelLoadError(f"weight {name!r} has shape {tuple(w.shape)}, the config implies {tuple(p.shape)}")
+    p.data = w.to(dtype).contiguous()
+    filled.add(name)
+
+
+def _eos_ids(raw: dict, hf_dir: str | None, tokenizer: Tokenizer | None) -> frozenset[int]:
+    ids: set[int] = set()
+
+    def add(value):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(v for v in value if isinstance(v, int))
+
+    add(raw.get("eos_token_id"))
+    gen_file = os.path.join(hf_dir, "generation_config.json") if hf_dir else None
+    if gen_file and os.path.exists(gen_file):
+        with open(gen_file) as f:
+            add(json.load(f).get("eos_token_id"))
+    if tokenizer is not None and tokenizer.eos_token:
+        add(tokenizer.token_to_id(tokenizer.eos_token))
+    return frozenset(ids)

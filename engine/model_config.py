@@ -1,0 +1,95 @@
+"""Model architecture settings parsed from a Hugging Face config.json (torch-free)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class UnsupportedModel(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    rope_scaling: dict = field(default_factory=dict)  # {"rope_type": ..., factor, ...}
+    sliding_window: int | None = None
+    architecture: str = "LlamaForCausalLM"
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedModel(f"num_attention_heads {self.num_heads} is not a multiple of "
+                                   f"num_key_value_heads {self.num_kv_heads}")
+        rope_type = self.rope_scaling.get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise UnsupportedModel(f"rope scaling type {rope_type!r} is not supported "
+                                   f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest context the model handles correctly (sliding-window attention is not
+        implemented, so a window shorter than the trained context caps it)."""
+        if self.sliding_window:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+    @classmethod
+    def from_hf(cls, cfg: dict, source: str = "config.json") -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            by_type = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
+            arch = by_type.get(cfg.get("model_type", ""))
+        if arch is None:
+            raise UnsupportedModel(
+                f"{source}: architecture {archs or cfg.get('model_type')!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModel(f"{source}: hidden_act {act!r} is not supported (only silu)")
+        heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        if "type" in rope and "rope_type" not in rope:
+            rope["rope_type"] = rope.pop("type")
+        theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch != "Qwen2ForCausalLM") else None
+        return cls(
+            vocab_size=cfg["vocab_size"], hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
+            num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or hidden // heads, rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta), max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            o_bias=arch != "Qwen2ForCausalLM" and bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            rope_scaling=rope if rope.get("rope_type", "default") != "default" else {},
+            sliding_window=window, architecture=arch)

@@ -1,0 +1,96 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over a paged KV cache.
+
+Follows Hugging Face's LlamaForCausalLM numerically and keeps its parameter names, except that
+q/k/v and gate/up are fused (`qkv_proj`, `gate_up_proj`); the loader concatenates them.
+Input is a packed batch of any number of new tokens per sequence (prefill, decode and tree
+verification share this forward).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionBackend
+from engine.forward_batch import ForwardBatch
+from engine.kv_cache import KVCache
+from engine.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope
+from engine.model_config import ModelConfig
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.cfg = cfg
+        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache, backend: AttentionBackend):
+        cfg, T = self.cfg, x.shape[0]
+        q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = apply_rope(q.view(T, cfg.num_heads, cfg.head_dim), batch.cos, batch.sin)  # [T, H, D]
+        k = apply_rope(k.view(T, cfg.num_kv_heads, cfg.head_dim), batch.cos, batch.sin)  # [T, Hkv, D]
+        v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
+        return self.o_proj(backend.forward(q, k, v, self.layer, batch, kv))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, batch, kv, backend):
+        x = x + self.self_attn(self.input_layernorm(x), batch, kv, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope_table_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                      cfg.rope_scaling, rope_table_dtype)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope_table_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, rope_table_dtype)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+
+    def forward(self, batch: ForwardBatch, kv: KVCache, backend: AttentionBackend) -> torch.Tensor:
+        """Final-norm hidden states [T, hidden] of every new token."""
+        x = self.model.embed_tokens(batch.input_ids)
+        batch.cos, batch.sin = self.model.rotary.lookup(batch.positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, batch, kv, backend)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> float32 logits [N, vocab] (float64 models stay float64)."""
+        logits = self.lm_head(hidden)
+        return logits if logits.dtype == torch.float64 else logits.float()
+
+    def prepack(self) -> int:
+        """Prepack every linear for the CPU; returns how many were packed."""
+        return sum(m.prepack() for m in self.modules() if isinstance(m, Linear))

@@ -1,0 +1,107 @@
+"""Token selection: logit processing, then greedy or Gumbel-max sampling with keyed noise.
+
+Sampling draws argmax(logits / T + G) with Gumbel noise G that depends only on
+(request seed, output position): the same seeded request picks the same tokens whatever its
+batch neighbours are (and, with speculation, whatever tree was drafted). Gumbel-max over the
+processed logits samples exactly from softmax(processed logits / T).
+
+Processing order (as vLLM): logit_bias, presence/frequency penalties over the output tokens,
+min_tokens (EOS and stop ids masked), then for sampling: temperature, top-k, top-p.
+Reported logprobs are the model's raw log-softmax (before any processing).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import SamplingParams
+from engine.step_io import TokenLogprobs
+
+MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class SampleRow:
+    params: SamplingParams
+    seed: int
+    output_position: int  # index of the token being drawn among the request's outputs
+    history: list[int]  # output tokens before it (penalties, min_tokens)
+
+
+def noise_seed(seed: int, position: int) -> int:
+    """splitmix64 of (seed, position): independent streams for every output position."""
+    z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+def gumbel_noise(seed: int, position: int, vocab_size: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(noise_seed(seed, position))
+    u = torch.rand(vocab_size, generator=gen, dtype=torch.float64).clamp_(min=1e-300)
+    return -torch.log(-torch.log(u))  # [V] float64, standard Gumbel
+
+
+def process_logits(logits: torch.Tensor, rows: list[SampleRow], stop_ids: frozenset[int]) -> torch.Tensor:
+    """In place: bias, penalties and min_tokens masking. logits: [N, V]."""
+    vocab = logits.shape[1]
+    for i, row in enumerate(rows):
+        p = row.params
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=logits.device)
+            logits[i].index_add_(0, ids, torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype,
+                                                       device=logits.device))
+        if p.needs_penalties and row.history:
+            counts = torch.bincount(torch.tensor(row.history, device=logits.device), minlength=vocab)[:vocab]
+            logits[i] -= counts.to(logits.dtype) * p.frequency_penalty + (counts > 0).to(logits.dtype) * p.presence_penalty
+        if len(row.history) < p.min_tokens:
+            banned = [t for t in (stop_ids | set(p.stop_token_ids)) if t < vocab]
+            logits[i, banned] = float("-inf")
+    return logits
+
+
+def truncate(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """One row [V] already divided by temperature: -inf outside top-k and the top-p nucleus."""
+    if 0 < top_k < logits.shape[0]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # keep a token if the mass strictly before it is below top_p (the top token always stays)
+        drop = (probs.cumsum(-1) - probs) >= top_p
+        logits = logits.index_fill(0, order[drop], float("-inf"))
+    return logits
+
+
+def choose(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """Processed logits [N, V] -> chosen token ids [N] (still on the device)."""
+    chosen = logits.argmax(-1)
+    for i, row in enumerate(rows):
+        p = row.params
+        if p.greedy:
+            continue
+        scaled = truncate(logits[i].double() / p.temperature, p.top_k, p.top_p)
+        noise = gumbel_noise(row.seed, row.output_position, scaled.shape[0]).to(scaled.device)
+        chosen[i] = (scaled + noise).argmax()
+    return chosen
+
+
+def sample(logits: torch.Tensor, rows: list[SampleRow], stop_ids: frozenset[int]) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """Pick one token per row; also the raw logprobs for rows that asked for them."""
+    want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    raw = logits[want].log_softmax(-1) if want else None
+    if any(r.params.logit_bias or r.params.needs_penalties or r.params.min_tokens for r in rows):
+        logits = process_logits(logits.clone(), rows, stop_ids)
+    tokens = choose(logits, rows).tolist()  # the step's one host sync for the sampled ids
+    logprobs: list[TokenLogprobs | None] = [None] * len(rows)
+    for j, i in enumerate(want):
+        logprobs[i] = _logprobs(raw[j], tokens[i], rows[i].params.logprobs)
+    return tokens, logprobs
+
+
+def _logprobs(row: torch.Tensor, token: int, top_n: int) -> TokenLogprobs:
+    top = torch.topk(row, top_n) if top_n else None
+    pairs = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
+    return TokenLogprobs(logprob=float(row[token]), top=pairs)

@@ -1,0 +1,72 @@
+"""Per-request sampling settings (torch-free; the scheduler and server build these)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its tokens and when it stops.
+
+    temperature 0 means greedy. `seed` keys the sampling noise together with the output
+    position, so a seeded request draws the same tokens however it is batched. `stop` strings
+    are matched by the output processor on text; `stop_token_ids` by the engine on ids.
+    `logprobs` = number of top alternatives to return per token (None: no logprobs at all).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: no limit
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self):
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+               f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        _check(_finite(self.temperature) and self.temperature >= 0,
+               f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        _check(_finite(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check(isinstance(self.top_k, int) and (self.top_k >= 1 or self.top_k in (0, -1)),
+               f"top_k must be -1, 0 or a positive integer, got {self.top_k!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_finite(value) and -2 <= value <= 2, f"{name} must be in [-2, 2], got {value!r}")
+        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+               f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
+        for token, bias in self.logit_bias.items():
+            _check(isinstance(token, int) and token >= 0, f"logit_bias key must be a token id, got {token!r}")
+            _check(_finite(bias) and -100 <= bias <= 100, f"logit_bias values must be in [-100, 100], got {bias!r}")
+        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
+               f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        _check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)

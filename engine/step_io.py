@@ -1,0 +1,48 @@
+"""What the scheduler hands the engine for one step, and what comes back (torch-free).
+
+The scheduler speaks in ints and lists; the engine turns a list of `SeqStep` into one packed
+forward and returns one `SeqResult` per step that asked for a sample.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SeqStep:
+    """One sequence's share of a forward.
+
+    The new tokens sit at storage positions [num_cached, num_cached + len(token_ids)); the
+    block table already has room for them. `output_token_ids` are the tokens generated so far
+    (penalties count them; the next sample is output position len(output_token_ids)).
+    """
+
+    seq_id: int
+    token_ids: list[int]
+    num_cached: int
+    block_table: list[int]
+    params: SamplingParams
+    seed: int
+    output_token_ids: list[int]
+    sample: bool = True  # False for a prefill chunk that does not reach the prompt's end
+
+    @property
+    def output_position(self) -> int:
+        return len(self.output_token_ids)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probability of the chosen token and of the top alternatives (target model, raw)."""
+
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(frozen=True)
+class SeqResult:
+    seq_id: int
+    token_id: int
+    logprobs: TokenLogprobs | None = None

@@ -1,0 +1,136 @@
+"""Tokenizer and chat template (torch-free): the `tokenizers` library plus a jinja2 template.
+
+Chat templates are rendered the way Hugging Face renders them (trim_blocks, lstrip_blocks,
+`raise_exception`, `strftime_now`), then encoded without adding special tokens because the
+template already writes them.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from dataclasses import dataclass
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import Tokenizer as HFTokenizer
+
+
+class TemplateError(ValueError):
+    """The chat template refused the messages (e.g. a role it does not support)."""
+
+
+@dataclass
+class Tokenizer:
+    backend: HFTokenizer
+    chat_template: str | None = None
+    bos_token: str | None = None
+    eos_token: str | None = None
+
+    @classmethod
+    def from_dir(cls, path: str) -> Tokenizer:
+        tj = os.path.join(path, "tokenizer.json")
+        if not os.path.exists(tj):
+            raise FileNotFoundError(f"{path}: no tokenizer.json (a fast tokenizer file is required)")
+        cfg = _read_json(os.path.join(path, "tokenizer_config.json"))
+        template = cfg.get("chat_template")
+        jinja_file = os.path.join(path, "chat_template.jinja")
+        if os.path.exists(jinja_file):
+            with open(jinja_file, encoding="utf-8") as f:
+                template = f.read()
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        return cls(HFTokenizer.from_file(tj), template, _token_str(cfg.get("bos_token")),
+                   _token_str(cfg.get("eos_token")))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise TemplateError("this model has no chat template; send a plain prompt instead")
+        try:
+            return _compile(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except jinja2.TemplateError as e:
+            raise TemplateError(f"chat template failed: {e}") from e
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+
+
+def _raise(message: str):
+    raise TemplateError(message)
+
+
+_TEMPLATES: dict[str, jinja2.Template] = {}
+
+
+def _compile(source: str) -> jinja2.Template:
+    if source not in _TEMPLATES:
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, ensure_ascii=False, indent=indent)
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+        _TEMPLATES[source] = env.from_string(source)
+    return _TEMPLATES[source]
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.exists(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _token_str(token) -> str | None:
+    if isinstance(token, dict):  # AddedToken serialisation
+        return token.get("content")
+    return token
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of ids into text deltas that never split a UTF-8 character.
+
+    It decodes a short window (`prefix_offset:`) and emits what the window adds past the text
+    already emitted; a trailing U+FFFD means an incomplete byte sequence, so it waits. A few
+    prompt tokens seed the window so SentencePiece's leading-space rule sees real context.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], context: int = 5):
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids[-context:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+
+    def add(self, token_ids: list[int]) -> str:
+        self.ids.extend(token_ids)
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset:self.read_offset])
+        full = decode(self.ids[self.prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return full[len(prefix):]
+
+    def flush(self) -> str:
+        """At the end: whatever is still held back (an incomplete character becomes U+FFFD)."""
+        decode = self.tokenizer.decode
+        rest = decode(self.ids[self.prefix_offset:])[len(decode(self.ids[self.prefix_offset:self.read_offset])):]
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return rest

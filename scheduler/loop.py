@@ -1,0 +1,114 @@
+"""The one generation loop: schedule -> engine step -> update -> outputs.
+
+Every front door (CLI, offline `LLM`, later the HTTP server) drives this object. The engine is
+passed in as an `Executor` so this module never imports torch.
+"""
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from typing import Protocol
+
+from engine.sampling_params import SamplingParams
+from engine.step_io import SeqResult, SeqStep
+from engine.tokenizer import Tokenizer
+from scheduler.block_allocator import BlockAllocator
+from scheduler.output_processor import RequestOutput, SeqTextState, make_output
+from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.sequence import FinishReason, Sequence
+
+
+class Executor(Protocol):
+    """What the loop needs from the engine."""
+
+    def execute(self, steps: list[SeqStep]) -> list[SeqResult]: ...
+
+
+class PromptTooLong(ValueError):
+    pass
+
+
+class EngineLoop:
+    def __init__(self, executor: Executor, tokenizer: Tokenizer | None, allocator: BlockAllocator,
+                 config: SchedulerConfig, eos_token_ids: frozenset[int], vocab_size: int):
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.scheduler = Scheduler(config, allocator, eos_token_ids)
+        self.vocab_size = vocab_size
+        self._ids = itertools.count()
+        self._text: dict[int, SeqTextState] = {}
+        self._seqs: dict[int, Sequence] = {}
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+        self._validate(prompt_token_ids, params)
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        seq = Sequence(next(self._ids), list(prompt_token_ids), params, seed,
+                       self.scheduler.allocator.new_table())
+        self._text[seq.seq_id] = SeqTextState(self.tokenizer, seq) if self.tokenizer else None
+        self._seqs[seq.seq_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def _validate(self, prompt: list[int], params: SamplingParams) -> None:
+        max_len = self.scheduler.config.max_model_len
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in prompt if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
+        if len(prompt) + params.max_tokens > max_len:
+            raise PromptTooLong(
+                f"this model's maximum context length is {max_len} tokens; the prompt has "
+                f"{len(prompt)} tokens and max_tokens is {params.max_tokens} "
+                f"({len(prompt) + params.max_tokens} in total)")
+        if any(t < 0 or t >= self.vocab_size for t in params.logit_bias):
+            raise ValueError(f"logit_bias has a token id outside the vocabulary [0, {self.vocab_size})")
+
+    def abort(self, seq_id: int) -> None:
+        seq = self._seqs.get(seq_id)
+        if seq is not None:
+            self.scheduler.finish(seq, FinishReason.ABORT)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; return an output for every sequence that changed."""
+        seqs = self.scheduler.schedule()
+        if not seqs:
+            return []
+        results = self.executor.execute(self.scheduler.steps(seqs))
+        now = time.perf_counter()
+        for seq in seqs:
+            seq.first_token_time = seq.first_token_time or now
+        self.scheduler.update(seqs, results)
+        return [self._output(seq) for seq in seqs]
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        state = self._text[seq.seq_id]
+        delta = ""
+        if state is not None:
+            delta, hit = state.update(seq)
+            if hit is not None:
+                self.scheduler.finish(seq, FinishReason.STOP, hit)
+        if seq.is_finished:
+            self._seqs.pop(seq.seq_id, None)
+            self._text.pop(seq.seq_id, None)
+        return make_output(seq, state, delta) if state else make_output_ids(seq)
+
+    def run_to_completion(self) -> dict[int, RequestOutput]:
+        final: dict[int, RequestOutput] = {}
+        while self.has_unfinished:
+            for out in self.step():
+                if out.finished:
+                    final[out.seq_id] = out
+        return final
+
+
+def make_output_ids(seq: Sequence) -> RequestOutput:
+    """Output for an engine built without a tokenizer (token ids only)."""
+    class _NoText:
+        text = ""
+    return make_output(seq, _NoText(), "")

@@ -1,0 +1,75 @@
+"""Detokenization, stop strings and per-request outputs (torch-free)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.step_io import TokenLogprobs
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from scheduler.sequence import FinishReason, Sequence
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step. `text_delta` is what this step added (for streaming)."""
+
+    seq_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    text_delta: str
+    finished: bool
+    finish_reason: str | None
+    stop_reason: int | str | None
+    logprobs: list[TokenLogprobs] | None
+    arrival_time: float
+    first_token_time: float | None
+    finish_time: float | None
+
+
+class SeqTextState:
+    """Text of one sequence so far; holds back a possible stop-string prefix while streaming."""
+
+    def __init__(self, tokenizer: Tokenizer, seq: Sequence):
+        self.detok = IncrementalDetokenizer(tokenizer, seq.prompt_token_ids)
+        self.stops = seq.params.stop
+        self.include_stop = seq.params.include_stop_str_in_output
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.text = ""
+        self.num_ids = 0  # output ids consumed
+        self.emitted = 0  # characters of `text` already handed out
+
+    def update(self, seq: Sequence) -> tuple[str, str | None]:
+        """Consume new output ids; return (text delta, stop string hit or None)."""
+        new_ids = seq.output_token_ids[self.num_ids:]
+        self.num_ids = len(seq.output_token_ids)
+        start = max(0, len(self.text) - self.hold)
+        self.text += self.detok.add(new_ids)
+        if seq.is_finished:
+            self.text += self.detok.flush()
+        hit = self._find_stop(start)
+        end = len(self.text) if (seq.is_finished or hit) else max(self.emitted, len(self.text) - self.hold)
+        delta = self.text[self.emitted:end]
+        self.emitted = end
+        return delta, hit
+
+    def _find_stop(self, start: int) -> str | None:
+        best = None
+        for s in self.stops:
+            i = self.text.find(s, start)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            return None
+        i, s = best
+        self.text = self.text[:i + len(s)] if self.include_stop else self.text[:i]
+        return s
+
+
+def make_output(seq: Sequence, state: SeqTextState, delta: str) -> RequestOutput:
+    reason = seq.finish_reason.value if isinstance(seq.finish_reason, FinishReason) else None
+    return RequestOutput(
+        seq_id=seq.seq_id, prompt_token_ids=seq.prompt_token_ids,
+        token_ids=list(seq.output_token_ids), text=state.text, text_delta=delta,
+        finished=seq.is_finished, finish_reason=reason, stop_reason=seq.stop_reason,
+        logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+        arrival_time=seq.arrival_time, first_token_time=seq.first_token_time, finish_time=seq.finish_time)

@@ -1,0 +1,71 @@
+"""One request's state: tokens, sampling settings, KV blocks, status, timing."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+from engine.step_io import TokenLogprobs
+from scheduler.block_allocator import BlockTable
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Invariant while running: KV is committed for all tokens but the last one, which is the
+    input of the next step (`num_tokens - 1 == table.num_committed` after each step)."""
+
+    seq_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    table: BlockTable
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    num_preemptions: int = 0
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens whose KV is not in the cache yet (the next step's inputs)."""
+        return self.num_tokens - self.table.num_committed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        n_prompt = len(self.prompt_token_ids)
+        if stop <= n_prompt:
+            return self.prompt_token_ids[start:stop]
+        if start >= n_prompt:
+            return self.output_token_ids[start - n_prompt:stop - n_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:stop - n_prompt]
+
+    def finish(self, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        self.finish_time = time.perf_counter()

@@ -1,0 +1,76 @@
+"""Offline Python API, in the shape of vLLM's `LLM`.
+
+    from server.llm import LLM
+    from engine.sampling_params import SamplingParams
+    llm = LLM()  # the embedded default model
+    out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16, temperature=0))
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+from engine.config import EngineConfig
+from engine.model_runner import ModelRunner
+from engine.sampling_params import SamplingParams
+from scheduler.block_allocator import BlockAllocator
+from scheduler.loop import EngineLoop
+from scheduler.output_processor import RequestOutput
+from scheduler.scheduler import SchedulerConfig
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_kwargs):
+        self.engine_config = EngineConfig(model=model, **engine_kwargs)
+        self.runner = ModelRunner(self.engine_config)
+        loaded = self.runner.loaded
+        self.tokenizer = loaded.tokenizer
+        self.model_name = loaded.name
+        self.allocator = BlockAllocator(self.runner.num_blocks, self.engine_config.block_size)
+        sched = SchedulerConfig(max_model_len=self.runner.max_model_len,
+                                max_num_seqs=self.engine_config.max_num_seqs,
+                                max_num_batched_tokens=self.engine_config.max_num_batched_tokens)
+        self.loop = EngineLoop(self.runner, self.tokenizer, self.allocator, sched,
+                               loaded.eos_token_ids, loaded.config.vocab_size)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.runner.max_model_len
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this LLM was built with skip_tokenizer=True; pass token ids")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def generate(self, prompts: Prompt | Seq[Prompt],
+                 params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion, batched; outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        encoded = [self.encode(p) for p in prompts]
+        seqs = []
+        try:
+            for ids, p in zip(encoded, params):
+                seqs.append(self.loop.add_request(ids, p))
+        except Exception:
+            for s in seqs:  # all or nothing: an invalid prompt cancels the whole call
+                self.loop.abort(s.seq_id)
+            raise
+        final = self.loop.run_to_completion()
+        return [final[s.seq_id] for s in seqs]
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one or several conversations, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if self.tokenizer is None:
+            raise ValueError("this LLM was built with skip_tokenizer=True; chat needs a tokenizer")
+        return self.generate([self.tokenizer.encode_chat(c) for c in conversations], params)
