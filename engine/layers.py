@@ -47,8 +47,9 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2] in float64, with linear or llama3 scaling."""
-    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    """Inverse frequencies [head_dim / 2], with linear or llama3 scaling. Computed in float32
+    like Hugging Face's reference, whose numbers the checkpoints were trained with."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
     kind = scaling.get("rope_type", "default")
     if kind == "linear":
         return inv / scaling["factor"]
@@ -68,14 +69,13 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Neox-style (rotate-half) RoPE with cos/sin tables looked up once per forward."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict,
-                 table_dtype: torch.dtype = torch.float32):
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict):
         super().__init__()
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64),
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32),
                             rope_inv_freq(head_dim, theta, scaling))  # [P, D/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
-        self.register_buffer("cos_table", emb.cos().to(table_dtype), persistent=False)
-        self.register_buffer("sin_table", emb.sin().to(table_dtype), persistent=False)
+        self.register_buffer("cos_table", emb.cos(), persistent=False)
+        self.register_buffer("sin_table", emb.sin(), persistent=False)
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos_table[positions].to(dtype), self.sin_table[positions].to(dtype)  # [T, D]

@@ -53,8 +53,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
         tok_dir = None if skip_tokenizer else gguf_tokenizer_dir(path, cache_dir())
     else:
         raise ModelLoadError(f"{path}: not a directory and not a .gguf file")
-    rope_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    net = LlamaForCausalLM(cfg, rope_dtype)
+    net = LlamaForCausalLM(cfg)
     load_weights(net, tensors, dtype)
     net.to(device)
     tokenizer = None if skip_tokenizer else Tokenizer.from_dir(tok_dir)

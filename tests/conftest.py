@@ -1,0 +1,67 @@
+"""Shared fixtures: tiny random Hugging Face models written to disk, built inside the tests."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CORPUS = ["the quick brown fox jumps over the lazy dog", "héllo wörld ünïcode ✓ 你好 世界",
+          "def f(x): return x + 1", "speculative decoding verifies a draft tree"] * 20
+
+
+def build_tokenizer(vocab_size: int):
+    """A byte-level BPE tokenizer with <|im_start|>/<|im_end|> specials, ids < vocab_size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    assert tok.get_vocab_size() <= vocab_size
+    return tok
+
+
+def write_tiny_model(path: str, arch: str = "llama", *, tie: bool = False, kv_heads: int = 2,
+                     rope_scaling: dict | None = None, vocab: int = 320, layers: int = 2,
+                     dtype=torch.float64, seed: int = 0, std: float = 0.15, tokenizer: bool = True):
+    """Save a random HF model (LlamaForCausalLM or Qwen2ForCausalLM) + tokenizer to `path`."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(seed)
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                  num_key_value_heads=kv_heads, vocab_size=vocab, max_position_embeddings=512,
+                  tie_word_embeddings=tie, initializer_range=std, eos_token_id=2, bos_token_id=1,
+                  rms_norm_eps=1e-6)
+    if arch == "qwen2":
+        cfg, cls = Qwen2Config(**common, rope_theta=10000.0), Qwen2ForCausalLM
+    else:
+        extra = {"rope_scaling": rope_scaling} if rope_scaling else {}
+        cfg, cls = LlamaConfig(**common, **extra), LlamaForCausalLM
+    model = cls(cfg).to(dtype).eval()
+    with torch.no_grad():  # HF initialises norms to 1: perturb them so a norm bug shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path)
+    if tokenizer:
+        build_tokenizer(vocab).save(os.path.join(path, "tokenizer.json"))
+        with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+            json.dump({"eos_token": "<|im_end|>", "bos_token": "<|im_start|>", "chat_template": CHAT_TEMPLATE}, f)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    """(path, HF model) of a tiny float64 untied GQA Llama with a tokenizer."""
+    path = str(tmp_path_factory.mktemp("tiny-llama"))
+    return path, write_tiny_model(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_llama):
+    from server.llm import LLM
+    return LLM(tiny_llama[0], dtype="float64", device="cpu", kv_cache_tokens=4096, block_size=4)

@@ -1,0 +1,78 @@
+"""Allocator properties under random reserve / commit / rollback / free / share sequences."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scheduler.block_allocator import BlockAllocator, OutOfBlocks
+
+OPS = st.lists(st.tuples(st.sampled_from(["reserve", "commit", "rollback", "free", "share"]),
+                         st.integers(0, 5), st.integers(0, 40)), max_size=120)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=OPS, num_blocks=st.integers(1, 24), block_size=st.sampled_from([1, 2, 4, 16]))
+def test_blocks_are_never_double_handed_and_all_come_back(ops, num_blocks, block_size):
+    alloc = BlockAllocator(num_blocks, block_size)
+    tables = [alloc.new_table() for _ in range(6)]
+    shared: list[int] = []  # extra references taken with incref
+    for op, which, n in ops:
+        t = tables[which]
+        if op == "reserve":
+            before = list(t.blocks)
+            try:
+                alloc.reserve(t, n)
+                assert t.capacity >= t.num_committed + n
+            except OutOfBlocks:
+                assert t.blocks == before  # all or nothing
+        elif op == "commit":
+            k = min(n, t.capacity - t.num_committed)
+            alloc.commit(t, k)
+            assert len(t.blocks) == t.blocks_needed(t.num_committed)  # scratch returned at once
+        elif op == "rollback":
+            alloc.rollback(t)
+            assert t.capacity - t.num_committed < block_size
+        elif op == "free":
+            alloc.free(t)
+        elif op == "share" and t.blocks:
+            alloc.incref(t.blocks[0])
+            shared.append(t.blocks[0])
+        held = [b for tb in tables for b in tb.blocks]
+        assert len(held) == len(set(held)), "a block is held by two tables"
+        assert all(alloc.refcount(b) >= 1 for b in held)
+        assert all(alloc.refcount(b) >= 0 for b in range(num_blocks))
+        in_use = sum(1 for b in range(num_blocks) if alloc.refcount(b) > 0)
+        assert alloc.num_free_blocks + in_use == num_blocks  # every block free xor referenced
+        assert len(set(alloc._free)) == len(alloc._free)
+    for t in tables:
+        alloc.free(t)
+    for b in shared:
+        alloc._release(b)
+    assert alloc.num_free_blocks == num_blocks
+    assert all(alloc.refcount(b) == 0 for b in range(num_blocks))
+
+
+def test_double_free_is_an_error():
+    alloc = BlockAllocator(4, 2)
+    t = alloc.new_table()
+    alloc.reserve(t, 3)
+    block = t.blocks[0]
+    alloc.free(t)
+    with pytest.raises(ValueError, match="freed twice"):
+        alloc._release(block)
+
+
+def test_commit_past_the_reservation_is_an_error():
+    alloc = BlockAllocator(4, 2)
+    t = alloc.new_table()
+    alloc.reserve(t, 3)  # capacity 4
+    with pytest.raises(ValueError, match="cannot commit"):
+        alloc.commit(t, 5)
+
+
+def test_slots_follow_the_block_table():
+    alloc = BlockAllocator(8, 4)
+    t = alloc.new_table()
+    t.blocks = [5, 2]
+    assert t.slots(0, 8) == [20, 21, 22, 23, 8, 9, 10, 11]
