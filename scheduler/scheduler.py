@@ -34,6 +34,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0  # total, for metrics and tests
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -84,6 +85,7 @@ class Scheduler:
         self.allocator.free(seq.table)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
     def steps(self, seqs: list[Sequence]) -> list[SeqStep]:

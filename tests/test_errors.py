@@ -1,0 +1,95 @@
+"""Bad input gets a clear error naming the problem."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from engine.loader import ModelLoadError, load_model
+from engine.model_config import UnsupportedModel
+from engine.sampling_params import SamplingParams
+from scheduler.loop import PromptTooLong
+from server.cli import main
+from tests.conftest import write_tiny_model
+
+
+def _load(path):
+    import torch
+    return load_model(path, torch.float32, torch.device("cpu"))
+
+
+def test_missing_model_path():
+    with pytest.raises(ModelLoadError, match="/no/such/model"):
+        _load("/no/such/model")
+
+
+def test_missing_files_are_named(tmp_path):
+    with pytest.raises(ModelLoadError, match="config.json"):
+        _load(str(tmp_path))
+    write_tiny_model(str(tmp_path))
+    os.remove(tmp_path / "tokenizer.json")
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        _load(str(tmp_path))
+    os.remove(tmp_path / "model.safetensors")
+    with pytest.raises(ModelLoadError, match="safetensors"):
+        _load(str(tmp_path))
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    with pytest.raises(UnsupportedModel, match="GPT2LMHeadModel"):
+        _load(str(tmp_path))
+
+
+def test_unsupported_rope_scaling_is_named(tmp_path):
+    write_tiny_model(str(tmp_path), tokenizer=False)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModel, match="yarn"):
+        _load(str(tmp_path))
+
+
+def test_weight_shape_mismatch_is_named(tmp_path):
+    write_tiny_model(str(tmp_path), tokenizer=False)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["intermediate_size"] = 96
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=r"mlp\..*has shape .* the config implies"):
+        _load(str(tmp_path))
+
+
+def test_prompt_longer_than_context(tiny_llm):
+    n = tiny_llm.max_model_len
+    with pytest.raises(PromptTooLong, match=f"maximum context length is {n}"):
+        tiny_llm.generate([5] * n, SamplingParams(max_tokens=1))
+    with pytest.raises(PromptTooLong):
+        tiny_llm.generate([5] * (n - 4), SamplingParams(max_tokens=8))
+    assert not tiny_llm.loop.has_unfinished  # nothing half-admitted
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-3), "max_tokens"),
+    (dict(temperature=-1.0), "temperature"), (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k"),
+    (dict(presence_penalty=3.0), "presence_penalty"), (dict(logprobs=21), "logprobs"),
+    (dict(min_tokens=20, max_tokens=10), "min_tokens"), (dict(logit_bias={3: 500.0}), "logit_bias"),
+])
+def test_bad_sampling_params(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts(tiny_llm):
+    with pytest.raises(ValueError, match="empty"):
+        tiny_llm.generate([[]], SamplingParams())
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        tiny_llm.generate([[5, 99999]], SamplingParams())
+    with pytest.raises(ValueError, match="logit_bias"):
+        tiny_llm.generate([[5]], SamplingParams(logit_bias={99999: 1.0}))
+
+
+def test_cli_reports_errors_cleanly(capsys):
+    assert main(["generate", "--model", "/no/such/dir", "--prompt", "x"]) == 2
+    assert "/no/such/dir" in capsys.readouterr().err

@@ -1,0 +1,127 @@
+"""Sampling: keyed-noise reproducibility, truncation, processing, and exactness in distribution."""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from engine.sampler import SampleRow, choose, process_logits, sample
+from engine.sampling_params import SamplingParams
+
+LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0], dtype=torch.float64)
+
+
+def draws(logits: torch.Tensor, params: SamplingParams, n: int, seed: int = 1234) -> list[int]:
+    """n independent draws: the same seed at output positions 0..n-1."""
+    rows = [SampleRow(params, seed, pos, []) for pos in range(n)]
+    return choose(logits.expand(n, -1).clone(), rows).tolist()
+
+
+def chi_square(counts: list[int], probs: list[float]) -> float:
+    n = sum(counts)
+    return sum((c - n * p) ** 2 / (n * p) for c, p in zip(counts, probs) if p > 0)
+
+
+def histogram(tokens: list[int], vocab: int) -> list[int]:
+    return [tokens.count(v) for v in range(vocab)]
+
+
+# chi-square critical values at p = 0.001 (df = vocab - 1)
+CRIT_001 = {7: 24.32, 2: 13.82, 3: 16.27}
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0, 1.6])
+def test_empirical_distribution_matches_softmax(temperature):
+    n = 20000
+    probs = (LOGITS / temperature).softmax(-1).tolist()
+    counts = histogram(draws(LOGITS, SamplingParams(temperature=temperature), n), 8)
+    assert chi_square(counts, probs) < CRIT_001[7]
+    # power: the same draws are far from a wrong rule's distribution (temperature off by 30%)
+    wrong = (LOGITS / (1.3 * temperature)).softmax(-1).tolist()
+    assert chi_square(counts, wrong) > 10 * CRIT_001[7]
+
+
+def test_top_p_and_top_k_follow_the_renormalised_distribution():
+    n = 12000
+    probs = LOGITS.softmax(-1)
+    # top_p = 0.7: the mass before token 2 is p0 + p1 < 0.6, before token 3 it is >= 0.7
+    assert probs[:2].sum() < 0.7 <= probs[:3].sum()
+    counts = histogram(draws(LOGITS, SamplingParams(top_p=0.7), n), 8)
+    assert counts[3:] == [0] * 5
+    kept = (probs[:3] / probs[:3].sum()).tolist()
+    assert chi_square(counts[:3], kept) < CRIT_001[2]
+    counts = histogram(draws(LOGITS, SamplingParams(top_k=4), n), 8)
+    assert counts[4:] == [0] * 4
+    assert chi_square(counts[:4], (probs[:4] / probs[:4].sum()).tolist()) < CRIT_001[3]
+
+
+def test_truncation_never_emits_excluded_tokens_on_random_logits():
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(30):
+        logits = torch.randn(50, generator=gen, dtype=torch.float64) * 3
+        k, p = 1 + trial % 7, 0.3 + 0.02 * trial
+        params = SamplingParams(top_k=k, top_p=p, temperature=1.3)
+        scaled = logits / 1.3
+        top = set(torch.topk(scaled, k).indices.tolist())
+        order = torch.argsort(scaled, descending=True).tolist()
+        probs = scaled.softmax(-1)
+        nucleus, mass = set(), 0.0
+        for t in order:
+            if mass >= p:
+                break
+            nucleus.add(t)
+            mass += float(probs[t])
+        allowed = top & nucleus if top & nucleus else {order[0]}
+        assert set(draws(logits, params, 200, seed=trial)) <= allowed
+
+
+def test_temperature_zero_is_argmax_whatever_the_seed():
+    logits = torch.randn(6, 100, dtype=torch.float64)
+    rows = [SampleRow(SamplingParams(temperature=0, seed=s), s, 0, []) for s in range(6)]
+    assert choose(logits.clone(), rows).tolist() == logits.argmax(-1).tolist()
+
+
+def test_same_seed_and_position_same_token_different_position_independent():
+    p = SamplingParams(temperature=1.0)
+    a = draws(LOGITS, p, 300, seed=99)
+    b = draws(LOGITS, p, 300, seed=99)
+    c = draws(LOGITS, p, 300, seed=100)
+    assert a == b and a != c
+
+
+def test_penalties_bias_and_min_tokens():
+    logits = torch.zeros(2, 6, dtype=torch.float64)
+    pen = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, logit_bias={4: 3.0}, min_tokens=4)
+    rows = [SampleRow(pen, 0, 2, [1, 1, 3]), SampleRow(SamplingParams(), 0, 0, [1])]
+    out = process_logits(logits.clone(), rows, stop_ids=frozenset({5}))
+    assert out[0].tolist() == [0.0, -1.0, 0.0, -0.75, 3.0, float("-inf")]  # 1: 0.5 + 2 * 0.25
+    assert out[1].tolist() == [0.0] * 6  # untouched row
+    rows[0] = SampleRow(pen, 0, 4, [1, 1, 3, 0])  # min_tokens reached: EOS allowed again
+    assert process_logits(logits.clone(), rows, frozenset({5}))[0, 5] == 0.0
+
+
+def test_logprobs_are_raw_log_softmax():
+    logits = torch.randn(1, 30, dtype=torch.float64)
+    params = SamplingParams(temperature=0, logprobs=3, logit_bias={7: 50.0})
+    tokens, lps = sample(logits.clone(), [SampleRow(params, 0, 0, [])], frozenset())
+    ref = logits[0].log_softmax(-1)
+    assert tokens == [7]  # the bias picks the token ...
+    assert math.isclose(lps[0].logprob, float(ref[7]))  # ... the logprob is the model's own
+    assert [t for t, _ in lps[0].top] == torch.topk(ref, 3).indices.tolist()
+
+
+def test_seeded_output_is_independent_of_batch_composition(tiny_llm):
+    rng = random.Random(0)
+    prompt = [rng.randrange(3, 300) for _ in range(12)]
+    target = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=42, ignore_eos=True)
+    alone = tiny_llm.generate(prompt, target)[0].token_ids
+    others = [[rng.randrange(3, 300) for _ in range(n)] for n in (5, 30, 17)]
+    mixed_params = [SamplingParams(max_tokens=m, temperature=t, seed=s, ignore_eos=True)
+                    for m, t, s in ((7, 0.0, None), (25, 1.2, 3), (13, 0.5, None))]
+    outs = tiny_llm.generate(others[:2] + [prompt] + others[2:], mixed_params[:2] + [target] + mixed_params[2:])
+    assert outs[2].token_ids == alone
+    assert tiny_llm.generate(prompt, target)[0].token_ids == alone
+    unseeded = tiny_llm.generate([prompt] * 2, SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True))
+    assert unseeded[0].token_ids != unseeded[1].token_ids  # fresh random seeds
