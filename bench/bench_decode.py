@@ -184,15 +184,15 @@ def hf_system(hf_dir: str, dtype: str, eos_id: int) -> System:
     import transformers
     from transformers import AutoModelForCausalLM, GenerationConfig
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=getattr(torch, dtype)).eval()
-    gen = GenerationConfig(do_sample=False, eos_token_id=eos_id, pad_token_id=eos_id)
 
     def run(prompt, max_new):
+        gen = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=eos_id,
+                               pad_token_id=eos_id)
         x = torch.tensor([prompt["ids"]])
         mask = torch.ones_like(x)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(input_ids=x, attention_mask=mask, generation_config=gen,
-                                 max_new_tokens=max_new)
+            out = model.generate(input_ids=x, attention_mask=mask, generation_config=gen)
         dt = time.perf_counter() - t0
         return result(out[0, x.shape[1]:].tolist(), {eos_id}, dt)
 
@@ -420,7 +420,8 @@ def plot(path: str, summary: dict, roof: dict) -> bool:
     for i, (dtype, r) in enumerate(roof.items()):
         ax.axhline(r["roofline_tok_s"], ls="--", color=f"C{3 + i}", label=f"roofline {dtype}")
     ax.set_ylabel("median tok/s (prefill + decode)")
-    ax.set_title("SmolLM2-135M greedy, single stream, MT-bench prompts")
+    ax.set_title("SmolLM2-135M-Instruct, greedy, single stream\n10 MT-bench prompts, one run, alternating",
+                 fontsize=10)
     ax.legend() if roof else None
     plt.setp(ax.get_xticklabels(), rotation=20, ha="right")
     fig.tight_layout()
