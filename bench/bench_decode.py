@@ -420,7 +420,8 @@ def plot(path: str, summary: dict, roof: dict) -> bool:
     for i, (dtype, r) in enumerate(roof.items()):
         ax.axhline(r["roofline_tok_s"], ls="--", color=f"C{3 + i}", label=f"roofline {dtype}")
     ax.set_ylabel("median tok/s (prefill + decode)")
-    ax.set_title("SmolLM2-135M-Instruct, greedy, single stream\n10 MT-bench prompts, one run, alternating",
+    ax.set_title("SmolLM2-135M-Instruct, greedy, single stream\n"
+                 f"{summary[names[0]]['n']} MT-bench prompts, one run, alternating",
                  fontsize=10)
     ax.legend() if roof else None
     plt.setp(ax.get_xticklabels(), rotation=20, ha="right")
@@ -482,6 +483,10 @@ def report(args, prompts, systems, rows, bandwidth) -> None:
     print_parity(par)
     if hf_same:
         print(f"HF tokenizer + its chat template give our prompt ids: {sum(hf_same)}/{len(hf_same)}")
+    for s in systems:
+        if s.kind == "llamacpp":
+            m = [r["tokenize_match"] for r in rows if r["system"] == s.name]
+            print(f"{s.name}: llama.cpp tokenizes the prompt text to our ids: {sum(m)}/{len(m)}")
     result = {"config": vars(args), "env": environment(args, systems), "bandwidth": bandwidth,
               "roofline": roof, "summary": summary, "parity_vs_ours_float32": par,
               "hf_template_same_ids": hf_same,

@@ -7,26 +7,37 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import kernels
+
+
+SKINNY_MAX_ROWS = 4  # up to this many input rows the native kernel beats oneDNN (measured)
+
 
 class Linear(nn.Module):
-    """y = x W^T (+ b). On the CPU in float32/bfloat16, `prepack()` reorders W once into
-    oneDNN's blocked layout: about twice as fast as F.linear for the skinny matrices of decoding
-    on these machines (bench/bench_decode.py measures it)."""
+    """y = x W^T (+ b). On the CPU in float32/bfloat16, `prepack()` sets up two faster paths
+    than F.linear (MKL reads weights at ~10 GB/s for one-row inputs on these AMD machines):
+    the native skinny kernel (engine/kernels) for up to SKINNY_MAX_ROWS rows, and oneDNN's
+    prepacked blocked layout for more rows (bench/bench_linear.py measures all three)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self._packed: torch.Tensor | None = None
+        self._skinny = None
 
-    def prepack(self) -> bool:
+    def prepack(self, native: bool = True) -> bool:
         w = self.weight
-        if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) or not _onednn_ok():
+        if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
             return False
-        self._packed = torch.ops.mkldnn._reorder_linear_weight(w.data, 1)
-        return True
+        self._skinny = kernels.skinny_linear() if native else None
+        if _onednn_ok():
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(w.data, 1)
+        return self._skinny is not None or self._packed is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._skinny is not None and x.shape[0] <= SKINNY_MAX_ROWS:
+            return self._skinny(x.contiguous(), self.weight, self.bias)
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -28,10 +28,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache, backend: AttentionBackend):
         cfg, T = self.cfg, x.shape[0]
-        q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = apply_rope(q.view(T, cfg.num_heads, cfg.head_dim), batch.cos, batch.sin)  # [T, H, D]
-        k = apply_rope(k.view(T, cfg.num_kv_heads, cfg.head_dim), batch.cos, batch.sin)  # [T, Hkv, D]
-        v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
+        qk, v = self.qkv_proj(x).split([cfg.q_size + cfg.kv_size, cfg.kv_size], dim=-1)
+        # q and k heads rotated in one go: [T, H + Hkv, D]
+        qk = apply_rope(qk.reshape(T, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), batch.cos, batch.sin)
+        q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+        v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
         return self.o_proj(backend.forward(q, k, v, self.layer, batch, kv))
 
 
@@ -91,6 +92,6 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head(hidden)
         return logits if logits.dtype == torch.float64 else logits.float()
 
-    def prepack(self) -> int:
-        """Prepack every linear for the CPU; returns how many were packed."""
-        return sum(m.prepack() for m in self.modules() if isinstance(m, Linear))
+    def prepack(self, native: bool = True) -> int:
+        """Set up the fast CPU paths of every linear; returns how many got one."""
+        return sum(m.prepack(native) for m in self.modules() if isinstance(m, Linear))

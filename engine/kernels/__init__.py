@@ -1,0 +1,41 @@
+"""Optional native CPU kernels, compiled on first use with torch's C++ extension loader.
+
+`skinny_linear()` returns the compiled op or None (no AVX-512 / bf16 support, no compiler, or
+EAGLE_SERVE_NATIVE_KERNELS=0); callers then fall back to oneDNN / F.linear. The build is cached
+under the torch extensions folder, so only the first start pays for it (~40 s).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+log = logging.getLogger(__name__)
+FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]  # -fopenmp: at::parallel_for is OpenMP inline code
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@functools.cache
+def skinny_linear():
+    if os.environ.get("EAGLE_SERVE_NATIVE_KERNELS", "1") == "0":
+        return None
+    if not {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= cpu_flags():
+        log.info("native CPU kernels need AVX-512 with bf16; using oneDNN")
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+        src = os.path.join(os.path.dirname(__file__), "cpu_gemv.cpp")
+        return load("eagle_serve_cpu_gemv", [src], extra_cflags=FLAGS, verbose=False).skinny_linear
+    except Exception as e:  # no compiler, no ninja, ...: fall back, loudly
+        log.warning("native CPU kernels unavailable (%s); using oneDNN", e)
+        return None
