@@ -1,7 +1,9 @@
 """Engine settings, parsed once at the edge (CLI / LLM) and validated here."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from engine.spec.config import SpecConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 DEVICES = ("auto", "cpu", "cuda")
@@ -19,6 +21,8 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192
     skip_tokenizer: bool = False
+    draft: str | None = None  # EAGLE head directory
+    spec: SpecConfig = field(default_factory=SpecConfig)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:

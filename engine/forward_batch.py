@@ -21,7 +21,10 @@ class SeqSpan:
     num_cached: int
     block_table: list[int]
     positions: list[int] | None = None  # RoPE positions; default num_cached + i
-    tree_mask: torch.Tensor | None = None  # [n, n] bool, token i sees token j (ancestor or self)
+    # [n, m + n] bool over the last m cached keys and the n new ones (m = num_masked_cached):
+    # new token i sees key j. Keys before those are seen by all; None: causal.
+    tree_mask: torch.Tensor | None = None
+    num_masked_cached: int = 0
 
 
 @dataclass
@@ -73,7 +76,7 @@ def build_forward_batch(spans: list[SeqSpan], block_size: int, device: torch.dev
 
 def _attention_mask(spans, n_cached, n_new, Q, L) -> torch.Tensor | None:
     """[B, 1, Q, L]: query i of sequence b sees key j (committed, causal or tree ancestor)."""
-    if len(spans) == 1 and Q == 1:
+    if len(spans) == 1 and Q == 1 and spans[0].tree_mask is None:
         return None  # one token sees every key
     c = torch.tensor(n_cached)[:, None, None]
     n = torch.tensor(n_new)[:, None, None]
@@ -83,7 +86,7 @@ def _attention_mask(spans, n_cached, n_new, Q, L) -> torch.Tensor | None:
     for b, s in enumerate(spans):
         if s.tree_mask is not None:
             nb, cb = n_new[b], n_cached[b]
-            mask[b, :nb, cb:cb + nb] = s.tree_mask
+            mask[b, :nb, cb - s.num_masked_cached:cb + nb] = s.tree_mask
     mask &= i < n  # padded query rows see nothing ...
     mask[:, :, 0] |= (i < n).logical_not()[:, :, 0]  # ... but key 0, so softmax stays finite
     return mask[:, None]

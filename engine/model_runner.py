@@ -11,6 +11,10 @@ from engine.forward_batch import SeqSpan, build_forward_batch
 from engine.kv_cache import KVCache
 from engine.loader import LoadedModel, load_model
 from engine.sampler import SampleRow, sample
+from engine.spec.accept import walk
+from engine.spec.config import SpecConfig
+from engine.spec.drafters import Drafter, NgramDrafter, NoDrafter
+from engine.spec.tree import DraftTree, root_only
 from engine.step_io import SeqResult, SeqStep
 
 
@@ -52,6 +56,8 @@ class ModelRunner:
                           cfg.head_dim, self.dtype, self.device)
         self.max_model_len = self._max_model_len()
         self.backend = TorchAttention(scale=cfg.head_dim ** -0.5)
+        self.spec = config.spec
+        self.drafter = self._make_drafter()
 
     def _num_blocks(self) -> int:
         c, m = self.config, self.loaded.config
@@ -75,15 +81,103 @@ class ModelRunner:
             return self.config.max_model_len
         return min(model_len, cache_len)
 
+    def _make_drafter(self) -> Drafter:
+        spec = self.spec
+        if spec.method == "none":
+            return NoDrafter()
+        if spec.method == "ngram":
+            return NgramDrafter(spec.ngram_max, spec.ngram_min, spec.max_depth)
+        if self.config.draft is None:
+            raise ValueError(f"spec method {spec.method!r} needs a draft head (--draft PATH); this model "
+                             f"has none: use --spec ngram or --spec none")
+        from engine.spec.eagle_drafter import EagleDrafter
+        from engine.spec.eagle_head import load_eagle_head
+        head = load_eagle_head(self.config.draft, self.model, self.dtype).to(self.device)
+        if self.device.type == "cpu":
+            head.prepack()
+        return EagleDrafter(head, self.model, spec, self.num_blocks, self.config.block_size, self.dtype, self.device)
+
+    def release(self, seq_id: int) -> None:
+        self.drafter.release(seq_id)
+
     @torch.inference_mode()
     def execute(self, steps: list[SeqStep]) -> list[SeqResult]:
-        spans = [SeqSpan(s.token_ids, s.num_cached, s.block_table) for s in steps]
+        """One round for every step: draft trees for decoding sequences, one packed target
+        forward (prefill chunks and trees together), tree acceptance, KV compaction."""
+        trees = self._draft(steps)
+        spans = [self._span(s, t) for s, t in zip(steps, trees)]
         batch = build_forward_batch(spans, self.config.block_size, self.device)
         hidden = self.model(batch, self.kv, self.backend)
-        ends = torch.tensor([len(s.token_ids) for s in steps]).cumsum(0) - 1
+        offsets = [0]
+        for span in spans:
+            offsets.append(offsets[-1] + len(span.token_ids))
+        roots = [offsets[i] + len(s.token_ids) - 1 for i, s in enumerate(steps)]
         sampled = [i for i, s in enumerate(steps) if s.sample]
-        logits = self.model.compute_logits(hidden[ends[sampled].to(self.device)])
-        rows = [SampleRow(steps[i].params, steps[i].seed, steps[i].output_position,
-                          steps[i].output_token_ids) for i in sampled]
-        tokens, logprobs = sample(logits, rows, self.loaded.eos_token_ids)
-        return [SeqResult(steps[i].seq_id, t, lp) for i, t, lp in zip(sampled, tokens, logprobs)]
+        rows, sample_rows = [], []
+        for i in sampled:
+            rows.extend(range(roots[i], roots[i] + len(trees[i])))
+            sample_rows.extend(node_rows(steps[i], trees[i]))
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        chosen, logprobs = sample(logits, sample_rows, self.loaded.eos_token_ids)
+        results, k = [], 0
+        for i in sampled:
+            n = len(trees[i])
+            results.append(self._accept(steps[i], trees[i], chosen[k:k + n], logprobs[k:k + n], hidden, roots[i]))
+            k += n
+        return results
+
+    def _draft(self, steps: list[SeqStep]) -> list[DraftTree]:
+        trees = [root_only(s.token_ids[-1]) for s in steps]
+        depths = [min(self.spec.max_depth, s.max_new_tokens - 1) for s in steps]
+        decoding = [i for i, s in enumerate(steps) if len(s.token_ids) == 1 and s.num_cached > 0 and depths[i] > 0]
+        if decoding:
+            proposed = self.drafter.propose([steps[i] for i in decoding], [depths[i] for i in decoding])
+            for i, tree in zip(decoding, proposed):
+                trees[i] = tree
+        return trees
+
+    @staticmethod
+    def _span(step: SeqStep, tree: DraftTree) -> SeqSpan:
+        if len(tree) == 1:
+            return SeqSpan(step.token_ids, step.num_cached, step.block_table)
+        assert len(step.token_ids) == 1, "trees follow a single uncomputed token"
+        return SeqSpan(tree.tokens, step.num_cached, step.block_table,
+                       positions=[step.num_cached + d for d in tree.depths], tree_mask=tree.ancestor_mask())
+
+    def _accept(self, step: SeqStep, tree: DraftTree, chosen: list[int], logprobs: list, hidden: torch.Tensor,
+                root_row: int) -> SeqResult:
+        verdict = walk(tree, chosen)
+        path = [0] + verdict.accepted_nodes
+        root_pos = step.num_cached + len(step.token_ids) - 1
+        if verdict.accepted_nodes:
+            self._compact(step.block_table, root_pos, verdict.accepted_nodes)
+        if self.drafter.needs_features:
+            first = root_row - len(step.token_ids) + 1
+            if len(tree) == 1:  # prefill (or a plain step): every fed position pairs with its successor
+                feats, tokens = hidden[first:root_row + 1], step.token_ids[1:] + verdict.tokens
+            else:
+                feats = hidden[torch.tensor([root_row + n for n in path], device=self.device)]
+                tokens = verdict.tokens
+            self.drafter.observe(step, tokens, feats, reset=step.num_cached == 0)
+        lps = [logprobs[n] for n in path] if step.params.logprobs is not None else None
+        return SeqResult(step.seq_id, verdict.tokens, lps, num_draft_tokens=len(tree) - 1,
+                         accepted_per_depth=(1,) * len(verdict.accepted_nodes))
+
+    def _compact(self, block_table: list[int], root_pos: int, nodes: list[int]) -> None:
+        """Move accepted nodes' KV from their scratch positions to root_pos + 1, + 2, ..."""
+        bs = self.config.block_size
+        slot = lambda p: block_table[p // bs] * bs + p % bs  # noqa: E731
+        src = torch.tensor([slot(root_pos + n) for n in nodes], device=self.device)
+        dst = torch.tensor([slot(root_pos + j) for j in range(1, len(nodes) + 1)], device=self.device)
+        self.kv.data[:, :, dst] = self.kv.data[:, :, src]
+
+
+def node_rows(step: SeqStep, tree: DraftTree) -> list[SampleRow]:
+    """The target's sampling context at every node: output position and history grow with depth
+    (penalties count the node's ancestors)."""
+    rows = []
+    for node in range(len(tree)):
+        path_tokens = [tree.tokens[n] for n in tree.path(node)[1:]]
+        rows.append(SampleRow(step.params, step.seed, step.output_position + tree.depths[node],
+                              step.output_token_ids + path_tokens))
+    return rows

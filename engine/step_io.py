@@ -5,7 +5,7 @@ forward and returns one `SeqResult` per step that asked for a sample.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
 
@@ -27,6 +27,12 @@ class SeqStep:
     seed: int
     output_token_ids: list[int]
     sample: bool = True  # False for a prefill chunk that does not reach the prompt's end
+    max_new_tokens: int = 1  # most tokens this step may emit (bounds the draft depth)
+    prompt_token_ids: list[int] = field(default_factory=list)  # shared, not copied (n-gram lookup)
+
+    @property
+    def history(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
 
     @property
     def output_position(self) -> int:
@@ -43,6 +49,15 @@ class TokenLogprobs:
 
 @dataclass(frozen=True)
 class SeqResult:
+    """What one step produced for a sequence: the accepted draft tokens then one token from the
+    target (the bonus), in order; exactly one token for a plain step."""
+
     seq_id: int
-    token_id: int
-    logprobs: TokenLogprobs | None = None
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None  # one per token when requested
+    num_draft_tokens: int = 0  # tokens the target verified besides the root (0: plain step)
+    accepted_per_depth: tuple[int, ...] = ()  # 1 per accepted depth, for stats
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.token_ids) - 1

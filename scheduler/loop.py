@@ -24,6 +24,9 @@ class Executor(Protocol):
 
     def execute(self, steps: list[SeqStep]) -> list[SeqResult]: ...
 
+    def release(self, seq_id: int) -> None:
+        """Forget a finished sequence's engine-side state (e.g. pending draft features)."""
+
 
 class PromptTooLong(ValueError):
     pass
@@ -31,10 +34,11 @@ class PromptTooLong(ValueError):
 
 class EngineLoop:
     def __init__(self, executor: Executor, tokenizer: Tokenizer | None, allocator: BlockAllocator,
-                 config: SchedulerConfig, eos_token_ids: frozenset[int], vocab_size: int):
+                 config: SchedulerConfig, eos_token_ids: frozenset[int], vocab_size: int,
+                 spec_tokens: int = 1, spec_slots: int = 0):
         self.executor = executor
         self.tokenizer = tokenizer
-        self.scheduler = Scheduler(config, allocator, eos_token_ids)
+        self.scheduler = Scheduler(config, allocator, eos_token_ids, spec_tokens, spec_slots)
         self.vocab_size = vocab_size
         self._ids = itertools.count()
         self._text: dict[int, SeqTextState] = {}
@@ -70,9 +74,11 @@ class EngineLoop:
             raise ValueError(f"logit_bias has a token id outside the vocabulary [0, {self.vocab_size})")
 
     def abort(self, seq_id: int) -> None:
-        seq = self._seqs.get(seq_id)
+        seq = self._seqs.pop(seq_id, None)
         if seq is not None:
             self.scheduler.finish(seq, FinishReason.ABORT)
+            self.executor.release(seq_id)
+            self._text.pop(seq_id, None)
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return an output for every sequence that changed."""
@@ -91,9 +97,12 @@ class EngineLoop:
         delta = ""
         if state is not None:
             delta, hit = state.update(seq)
-            if hit is not None:
+            if hit is not None and seq.is_finished:  # a burst ended it later; the stop came first
+                seq.finish_reason, seq.stop_reason = FinishReason.STOP, hit
+            elif hit is not None:
                 self.scheduler.finish(seq, FinishReason.STOP, hit)
         if seq.is_finished:
+            self.executor.release(seq.seq_id)
             self._seqs.pop(seq.seq_id, None)
             self._text.pop(seq.seq_id, None)
         return make_output(seq, state, delta) if state else make_output_ids(seq)

@@ -39,14 +39,19 @@ class SeqTextState:
         self.emitted = 0  # characters of `text` already handed out
 
     def update(self, seq: Sequence) -> tuple[str, str | None]:
-        """Consume new output ids; return (text delta, stop string hit or None)."""
-        new_ids = seq.output_token_ids[self.num_ids:]
-        self.num_ids = len(seq.output_token_ids)
-        start = max(0, len(self.text) - self.hold)
-        self.text += self.detok.add(new_ids)
-        if seq.is_finished:
-            self.text += self.detok.flush()
-        hit = self._find_stop(start)
+        """Consume new output ids one at a time (a speculative burst may hold several); on a
+        stop string, drop the ids after the one that completed it. Returns (delta, stop hit)."""
+        hit = None
+        while self.num_ids < len(seq.output_token_ids) and hit is None:
+            start = max(0, len(self.text) - self.hold)
+            self.text += self.detok.add([seq.output_token_ids[self.num_ids]])
+            self.num_ids += 1
+            if seq.is_finished and self.num_ids == len(seq.output_token_ids):
+                self.text += self.detok.flush()
+            hit = self._find_stop(start)
+        if hit is not None:
+            del seq.output_token_ids[self.num_ids:]
+            del seq.output_logprobs[self.num_ids:]
         end = len(self.text) if (seq.is_finished or hit) else max(self.emitted, len(self.text) - self.hold)
         delta = self.text[self.emitted:end]
         self.emitted = end

@@ -28,8 +28,13 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, eos_token_ids: frozenset[int]):
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, eos_token_ids: frozenset[int],
+                 spec_tokens: int = 1, spec_slots: int = 0):
+        """spec_tokens: most tokens one round may emit (draft depth + 1; 1 = no speculation);
+        spec_slots: scratch slots a round needs past the committed length (tree + draft)."""
         self.config = config
+        self.spec_tokens = spec_tokens
+        self.spec_slots = spec_slots
         self.allocator = allocator
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
@@ -70,15 +75,21 @@ class Scheduler:
         for seq in list(self.running):
             if seq not in self.running:  # preempted below to make room for an older one
                 continue
-            while not self.allocator.can_reserve(seq.table, seq.num_uncomputed):
+            while not self.allocator.can_reserve(seq.table, self._slots(seq)):
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is seq:
                     break
             if seq in self.running:
-                self.allocator.reserve(seq.table, seq.num_uncomputed)
+                self.allocator.reserve(seq.table, self._slots(seq))
                 scheduled.append(seq)
         return scheduled
+
+    def _slots(self, seq: Sequence) -> int:
+        """Slots past the committed length this step may write: the uncomputed tokens, or a
+        speculative round's scratch (never past the context)."""
+        room = self.config.max_model_len - seq.table.num_committed
+        return min(max(seq.num_uncomputed, self.spec_slots), room)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -92,19 +103,31 @@ class Scheduler:
         """The engine's view of the scheduled sequences."""
         return [SeqStep(seq_id=s.seq_id, token_ids=s.token_ids(s.table.num_committed, s.num_tokens),
                         num_cached=s.table.num_committed, block_table=list(s.table.blocks),
-                        params=s.params, seed=s.seed, output_token_ids=list(s.output_token_ids))
+                        params=s.params, seed=s.seed, output_token_ids=list(s.output_token_ids),
+                        max_new_tokens=self.max_new_tokens(s), prompt_token_ids=s.prompt_token_ids)
                 for s in seqs]
 
+    def max_new_tokens(self, seq: Sequence) -> int:
+        """Tokens a step may emit without passing max_tokens or the context (>= 1)."""
+        left = min(seq.params.max_tokens - len(seq.output_token_ids),
+                   self.config.max_model_len - seq.num_tokens)
+        return max(1, min(left, self.spec_tokens))
+
     def update(self, seqs: list[Sequence], results: list[SeqResult]) -> None:
-        """Commit the fed tokens, append the sampled ones, finish what is done."""
+        """Commit the fed tokens and the accepted drafts, append the emitted tokens one by one
+        (a burst stops at the first finishing token), finish what is done."""
         by_id = {r.seq_id: r for r in results}
         for seq in seqs:
             result = by_id[seq.seq_id]
-            self.allocator.commit(seq.table, seq.num_uncomputed)
-            seq.output_token_ids.append(result.token_id)
-            if result.logprobs is not None:
-                seq.output_logprobs.append(result.logprobs)
-            self._check_finished(seq, result.token_id)
+            self.allocator.commit(seq.table, seq.num_uncomputed + result.num_accepted)
+            seq.record_spec(result)
+            for i, token in enumerate(result.token_ids):
+                seq.output_token_ids.append(token)
+                if result.logprobs is not None:
+                    seq.output_logprobs.append(result.logprobs[i])
+                self._check_finished(seq, token)
+                if seq.is_finished:
+                    break
 
     def _check_finished(self, seq: Sequence, token: int) -> None:
         p = seq.params

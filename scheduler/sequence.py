@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
-from engine.step_io import TokenLogprobs
+from engine.step_io import SeqResult, TokenLogprobs
 from scheduler.block_allocator import BlockTable
 
 
@@ -21,6 +21,27 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_tokens or the context limit
     ABORT = "abort"
     ERROR = "error"
+
+
+@dataclass
+class SpecStats:
+    """Speculation counters of one sequence (verify steps only; plain steps are not counted)."""
+
+    verify_steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_depth: list[int] = field(default_factory=list)
+
+    def add(self, result: SeqResult) -> None:
+        if result.num_draft_tokens == 0:
+            return
+        self.verify_steps += 1
+        self.draft_tokens += result.num_draft_tokens
+        self.accepted_tokens += result.num_accepted
+        for depth, n in enumerate(result.accepted_per_depth):
+            if depth >= len(self.accepted_per_depth):
+                self.accepted_per_depth.append(0)
+            self.accepted_per_depth[depth] += n
 
 
 @dataclass(eq=False)
@@ -39,6 +60,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_preemptions: int = 0
+    spec: SpecStats = field(default_factory=SpecStats)
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -63,6 +85,9 @@ class Sequence:
         if start >= n_prompt:
             return self.output_token_ids[start - n_prompt:stop - n_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[:stop - n_prompt]
+
+    def record_spec(self, result: SeqResult) -> None:
+        self.spec.add(result)
 
     def finish(self, reason: FinishReason, stop_reason: int | str | None = None) -> None:
         self.status = SequenceStatus.FINISHED

@@ -31,8 +31,10 @@ class LLM:
         sched = SchedulerConfig(max_model_len=self.runner.max_model_len,
                                 max_num_seqs=self.engine_config.max_num_seqs,
                                 max_num_batched_tokens=self.engine_config.max_num_batched_tokens)
+        spec = self.engine_config.spec
         self.loop = EngineLoop(self.runner, self.tokenizer, self.allocator, sched,
-                               loaded.eos_token_ids, loaded.config.vocab_size)
+                               loaded.eos_token_ids, loaded.config.vocab_size,
+                               spec_tokens=spec.max_depth + 1, spec_slots=spec.scratch_slots)
 
     @property
     def max_model_len(self) -> int:

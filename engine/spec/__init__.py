@@ -1,0 +1,1 @@
+"""Speculative decoding: draft trees, EAGLE draft heads, drafters and tree acceptance."""

@@ -1,0 +1,197 @@
+"""EAGLE drafting: the head consumes the accepted tokens with their true target features, then
+grows a tree one batched forward per depth (EAGLE-2 dynamic, or an EAGLE-1 static shape).
+
+Draft KV: pair j = (token x_{j+1}, target feature f_j) lives at storage position j of the
+sequence's blocks (the target's block table, a separate one-layer cache). Pairs built from
+predicted features (the tree phase) go to scratch positions past the committed pairs and are
+overwritten next round: the rollback costs nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.attention import TorchAttention
+from engine.forward_batch import SeqSpan, build_forward_batch
+from engine.kv_cache import KVCache
+from engine.models.llama import LlamaForCausalLM
+from engine.spec.config import SpecConfig
+from engine.spec.drafters import Drafter
+from engine.spec.eagle_head import EagleHead
+from engine.spec.tree import Candidates, DraftTree, build_tree, root_only, select_best
+from engine.step_io import SeqStep
+
+
+@dataclass
+class HeadState:
+    draft_len: int = 0  # committed pairs in the draft cache
+    tokens: list[int] = field(default_factory=list)  # pending pairs, not yet consumed
+    features: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class Growth:
+    """One sequence's tree while it grows."""
+
+    cands: Candidates
+    depths: list[int]
+    frontier: list[int]  # candidate indices to expand next
+    frontier_feats: torch.Tensor  # [len(frontier), h] input feature of each frontier node
+    scratch: list[int] = field(default_factory=list)  # candidates whose pair sits in scratch
+    max_depth: int = 1
+    static_paths: dict[int, tuple[int, ...]] = field(default_factory=dict)  # eagle1: cand -> rank path
+
+
+class EagleDrafter(Drafter):
+    needs_features = True
+
+    def __init__(self, head: EagleHead, target: LlamaForCausalLM, spec: SpecConfig, num_blocks: int,
+                 block_size: int, dtype: torch.dtype, device: torch.device):
+        cfg = head.config
+        self.head, self.target, self.spec = head, target, spec
+        self.block_size, self.device = block_size, device
+        self.kv = KVCache(1, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+        self.backend = TorchAttention(cfg.head_dim ** -0.5)
+        self.rotary = target.model.rotary if cfg.rope_theta == target.config.rope_theta else _rotary(cfg)
+        self.states: dict[int, HeadState] = {}
+        self.static = spec.method == "eagle1"
+        self._children = _static_children(spec.static_tree) if self.static else {}
+
+    def observe(self, step, tokens, features, reset):
+        state = self.states.setdefault(step.seq_id, HeadState())
+        if reset:
+            self.states[step.seq_id] = state = HeadState()
+        state.tokens.extend(tokens)
+        state.features.append(features)
+
+    def release(self, seq_id):
+        self.states.pop(seq_id, None)
+
+    @torch.inference_mode()
+    def propose(self, steps: list[SeqStep], max_depths: list[int]) -> list[DraftTree]:
+        trees = [root_only(s.token_ids[-1]) for s in steps]
+        active = [i for i, (s, d) in enumerate(zip(steps, max_depths))
+                  if d >= 1 and self.states.get(s.seq_id) and self.states[s.seq_id].tokens]
+        if not active:
+            return trees
+        growths = self._first_depth([steps[i] for i in active], [max_depths[i] for i in active])
+        for depth in range(2, max(g.max_depth for g in growths) + 1):
+            todo = [j for j, g in enumerate(growths) if g.max_depth >= depth and g.frontier]
+            if todo:
+                self._grow([steps[active[j]] for j in todo], [growths[j] for j in todo], depth)
+        for j, i in enumerate(active):
+            trees[i] = self._tree(steps[i].token_ids[-1], growths[j])
+        return trees
+
+    def _head_forward(self, spans: list[SeqSpan], feats: torch.Tensor) -> torch.Tensor:
+        batch = build_forward_batch(spans, self.block_size, self.device)
+        embeds = self.target.model.embed_tokens(batch.input_ids)
+        return self.head(embeds, feats, batch, self.kv, self.backend, self.rotary)
+
+    def _first_depth(self, steps: list[SeqStep], max_depths: list[int]) -> list[Growth]:
+        """Consume every pending pair; the last one's prediction gives the root's children."""
+        states = [self.states[s.seq_id] for s in steps]
+        spans = [SeqSpan(st.tokens, st.draft_len, s.block_table) for s, st in zip(steps, states)]
+        feats = torch.cat([f for st in states for f in st.features])
+        hidden = self._head_forward(spans, feats)
+        ends = torch.tensor([len(st.tokens) for st in states]).cumsum(0) - 1
+        last = hidden[ends.to(self.device)]  # [B, h] predicted feature of the root's position
+        for st in states:
+            st.draft_len += len(st.tokens)
+            st.tokens, st.features = [], []
+        width = max(self.spec.top_k, 1 + max((p[0] for p in self.spec.static_tree), default=0)) \
+            if self.static else self.spec.top_k
+        top = self.target.compute_logits(last).log_softmax(-1).topk(width)
+        values, indices = top.values.tolist(), top.indices.tolist()
+        growths = []
+        for b, d in enumerate(max_depths):
+            ranks = [r for (r,) in (p for p in self.spec.static_tree if len(p) == 1)] if self.static else range(width)
+            cands = Candidates([indices[b][r] for r in ranks], [-1] * len(ranks), [values[b][r] for r in ranks])
+            g = Growth(cands, [1] * len(ranks), [], last[b:b + 1], max_depth=d)
+            g.static_paths = {c: (r,) for c, r in enumerate(ranks)} if self.static else {}
+            g.frontier = self._next_frontier(g, list(range(len(ranks))))
+            g.frontier_feats = last[b:b + 1].expand(len(g.frontier), -1)
+            growths.append(g)
+        return growths
+
+    def _grow(self, steps: list[SeqStep], growths: list[Growth], depth: int) -> None:
+        """Expand every frontier node of depth `depth - 1` in one batched head forward."""
+        spans, feats = [], []
+        for s, g in zip(steps, growths):
+            base = self.states[s.seq_id].draft_len
+            n_prev = len(g.scratch)
+            spans.append(SeqSpan([g.cands.tokens[c] for c in g.frontier], base + n_prev, s.block_table,
+                                 positions=[base + depth - 2] * len(g.frontier),
+                                 tree_mask=self._mask(g), num_masked_cached=n_prev))
+            feats.append(g.frontier_feats)
+        hidden = self._head_forward(spans, torch.cat(feats))
+        width = self.spec.top_k if not self.static else 1 + max(max(p) for p in self.spec.static_tree)
+        top = self.target.compute_logits(hidden).log_softmax(-1).topk(width)
+        values, indices = top.values.tolist(), top.indices.tolist()
+        row = 0
+        for g in growths:
+            expanded, new = list(g.frontier), []
+            rows = list(range(row, row + len(expanded)))
+            row += len(expanded)
+            g.scratch.extend(expanded)
+            for c, r in zip(expanded, rows):
+                for rank in self._ranks(g, c, width):
+                    new.append(len(g.cands.tokens))
+                    g.cands.tokens.append(indices[r][rank])
+                    g.cands.parents.append(c)
+                    g.cands.scores.append(g.cands.scores[c] + values[r][rank])
+                    g.depths.append(depth)
+                    if self.static:
+                        g.static_paths[new[-1]] = g.static_paths[c] + (rank,)
+            nxt = self._next_frontier(g, new) if depth < g.max_depth else []
+            parent_rows = torch.tensor([rows[expanded.index(g.cands.parents[c])] for c in nxt], dtype=torch.long)
+            g.frontier, g.frontier_feats = nxt, hidden[parent_rows.to(self.device)]
+
+    def _ranks(self, g: Growth, cand: int, width: int) -> list[int]:
+        if self.static:
+            return self._children.get(g.static_paths[cand], [])
+        return list(range(width))
+
+    def _next_frontier(self, g: Growth, new: list[int]) -> list[int]:
+        """EAGLE-2: the top_k new candidates by cumulative score; EAGLE-1: those with children."""
+        if self.static:
+            return [c for c in new if self._children.get(g.static_paths[c])]
+        best = sorted(new, key=lambda c: (-g.cands.scores[c], c))[:self.spec.top_k]
+        return sorted(best)
+
+    def _mask(self, g: Growth) -> torch.Tensor:
+        """[F, S + F]: frontier node i sees scratch pair j iff j is i's ancestor, and itself."""
+        keys = g.scratch + g.frontier
+        rows = []
+        for c in g.frontier:
+            seen = set()
+            while c >= 0:
+                seen.add(c)
+                c = g.cands.parents[c]
+            rows.append([k in seen for k in keys])
+        return torch.tensor(rows, dtype=torch.bool)
+
+    def _tree(self, root: int, g: Growth) -> DraftTree:
+        cands = g.cands
+        if self.static:
+            keep = [c for c in range(len(cands)) if g.depths[c] <= g.max_depth]
+        else:
+            ok = [c for c in range(len(cands)) if g.depths[c] <= g.max_depth]
+            sub = Candidates([cands.tokens[c] for c in ok], [cands.parents[c] for c in ok],
+                             [cands.scores[c] for c in ok])
+            keep = [ok[i] for i in select_best(sub, self.spec.total_tokens - 1)]
+        return build_tree(root, cands, keep)
+
+
+def _static_children(paths) -> dict[tuple[int, ...], list[int]]:
+    children: dict[tuple[int, ...], list[int]] = {}
+    for p in sorted(set(map(tuple, paths)), key=lambda p: (len(p), p)):
+        if len(p) > 1:
+            children.setdefault(p[:-1], []).append(p[-1])
+    return children
+
+
+def _rotary(cfg):
+    from engine.layers import RotaryEmbedding
+    return RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
