@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from engine.step_io import TokenLogprobs
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from scheduler.sequence import FinishReason, Sequence
+from scheduler.sequence import FinishReason, Sequence, SpecStats
 
 
 @dataclass
@@ -24,6 +24,7 @@ class RequestOutput:
     arrival_time: float
     first_token_time: float | None
     finish_time: float | None
+    spec: SpecStats
 
 
 class SeqTextState:
@@ -77,4 +78,6 @@ def make_output(seq: Sequence, state: SeqTextState, delta: str) -> RequestOutput
         token_ids=list(seq.output_token_ids), text=state.text, text_delta=delta,
         finished=seq.is_finished, finish_reason=reason, stop_reason=seq.stop_reason,
         logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
-        arrival_time=seq.arrival_time, first_token_time=seq.first_token_time, finish_time=seq.finish_time)
+        arrival_time=seq.arrival_time, first_token_time=seq.first_token_time, finish_time=seq.finish_time,
+        spec=SpecStats(seq.spec.verify_steps, seq.spec.draft_tokens, seq.spec.accepted_tokens,
+                       list(seq.spec.accepted_per_depth)))

@@ -1,0 +1,248 @@
+"""Speculative decoding: trees, masks, acceptance power, and the lossless guarantee."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.forward_batch import SeqSpan, build_forward_batch
+from engine.sampling_params import SamplingParams
+from engine.spec.accept import walk
+from engine.spec.config import SpecConfig
+from engine.spec.tree import Candidates, build_tree, chain, from_paths, select_best
+from server.llm import LLM
+from tests.spec_helpers import OracleDrafter, write_eagle_head
+
+KW = dict(dtype="float64", device="cpu", kv_cache_tokens=4096, block_size=4)
+
+
+@pytest.fixture(scope="module")
+def head_dir(tiny_llama, tmp_path_factory):
+    return write_eagle_head(str(tmp_path_factory.mktemp("eagle-head")), tiny_llama[0])
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama):
+    return LLM(tiny_llama[0], **KW)
+
+
+def prompts(n=6, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 300) for _ in range(rng.randrange(2, 30))] for _ in range(n)]
+
+
+# ---- trees -------------------------------------------------------------------------------
+
+def test_tree_builder_matches_hand_computed_tree():
+    # root children: a(-0.1) b(-1.0); a's children: c(-0.3) d(-2.5); b's child: e(-1.2); c's child f(-0.9)
+    cands = Candidates(tokens=[10, 11, 12, 13, 14, 15], parents=[-1, -1, 0, 0, 1, 2],
+                       scores=[-0.1, -1.0, -0.3, -2.5, -1.2, -0.9])
+    keep = select_best(cands, 4)
+    assert keep == [0, 1, 2, 5]  # a, b, c, f: d (-2.5) and e (-1.2) lose
+    tree = build_tree(7, cands, keep)
+    assert tree.tokens == [7, 10, 11, 12, 15]
+    assert tree.parents == [-1, 0, 0, 1, 3]
+    assert tree.depths == [0, 1, 1, 2, 3]
+    assert tree.ancestor_mask().int().tolist() == [
+        [1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 1, 0, 1, 1]]
+    assert tree.leaf_paths() == [[0, 2], [0, 1, 3, 4]]
+    assert walk(tree, chosen=[10, 12, 99, 15, 42]).tokens == [10, 12, 15, 42]
+    assert walk(tree, chosen=[11, 0, 5, 0, 0]).tokens == [11, 5]
+    assert walk(tree, chosen=[3, 0, 0, 0, 0]).tokens == [3]
+
+
+def test_ties_keep_the_parent_and_static_paths_merge():
+    cands = Candidates([1, 2], [-1, 0], [-0.5, -0.5])  # child ties its parent (log p = 0)
+    assert select_best(cands, 1) == [0]
+    tree = from_paths(9, [[1], [1, 2], [3], [1, 4]])
+    assert tree.tokens == [9, 1, 2, 3, 4] and tree.parents == [-1, 0, 1, 0, 1]
+
+
+def test_tree_verify_forward_equals_each_path_alone(plain):
+    """No tree token sees a sibling branch: every node's logits equal a plain causal forward of
+    the prefix plus that node's root-to-node path (float64, 1e-9)."""
+    runner = plain.runner
+    model, kv = runner.model, runner.kv
+    prefix = [5, 9, 33, 41, 2, 17, 8]
+    tree = from_paths(prefix[-1], [[3, 4, 5], [3, 6], [7, 8], [7, 9, 10], [11]])
+    blocks = list(range(40, 20, -1))  # non-contiguous, descending
+    with torch.inference_mode():
+        model(build_forward_batch([SeqSpan(prefix[:-1], 0, blocks)], 4, runner.device), kv, runner.backend)
+        span = SeqSpan(tree.tokens, len(prefix) - 1, blocks, positions=[len(prefix) - 1 + d for d in tree.depths],
+                       tree_mask=tree.ancestor_mask())
+        got = model.compute_logits(model(build_forward_batch([span], 4, runner.device), kv, runner.backend))
+        for node in range(len(tree)):
+            ids = prefix[:-1] + [tree.tokens[n] for n in tree.path(node)]
+            ref = model.compute_logits(model(build_forward_batch([SeqSpan(ids, 0, list(range(60, 80)))], 4,
+                                                                 runner.device), kv, runner.backend))[-1]
+            torch.testing.assert_close(got[node], ref, rtol=1e-9, atol=1e-9)
+
+
+def test_draft_frontier_sees_only_its_ancestors(tiny_llama, head_dir):
+    """Every candidate's cumulative draft score equals the one computed by running the head
+    sequentially along that candidate's own path."""
+    llm = LLM(tiny_llama[0], draft=head_dir, spec=SpecConfig("eagle2", total_tokens=12, depth=4, top_k=3), **KW)
+    drafter = llm.runner.drafter
+    grown = []
+    original = drafter._tree
+    drafter._tree = lambda root, g: (grown.append(g), original(root, g))[1]
+    prompt = prompts(1, seed=4)[0]
+    llm.generate(prompt, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    g = grown[0]
+    seq_tokens = prompt + llm_first_tokens(llm, prompt, 1)
+    head, target = drafter.head, llm.runner.model
+    with torch.inference_mode():
+        feats = target(build_forward_batch([SeqSpan(seq_tokens[:-1], 0, list(range(200, 230)))], 4,
+                                           llm.runner.device), llm.runner.kv, llm.runner.backend)
+        for c in range(len(g.cands)):
+            path = []
+            node = c
+            while node >= 0:
+                path.append(g.cands.tokens[node])
+                node = g.cands.parents[node]
+            score = sequential_score(head, target, drafter, seq_tokens, feats, path[::-1])
+            assert abs(score - g.cands.scores[c]) < 1e-9
+
+
+def llm_first_tokens(llm, prompt, n):
+    return llm.generate(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0].token_ids
+
+
+def sequential_score(head, target, drafter, tokens, feats, path):
+    """Pairs (x_{j+1}, f_j) for the true prefix, then the path's pairs on predicted features."""
+    from engine.kv_cache import KVCache
+    cfg = head.config
+    kv = KVCache(1, 64, 4, cfg.num_kv_heads, cfg.head_dim, torch.float64, torch.device("cpu"))
+    blocks = list(range(64))
+    ids, fs = list(tokens[1:]), [feats[j] for j in range(len(tokens) - 1)]
+    total, n_done = 0.0, 0
+    for step in range(len(path) + 1):
+        span = SeqSpan(ids[n_done:], n_done, blocks)
+        batch = build_forward_batch([span], 4, torch.device("cpu"))
+        out = head(target.model.embed_tokens(batch.input_ids), torch.stack(fs[n_done:]), batch, kv,
+                   drafter.backend, drafter.rotary)
+        n_done = len(ids)
+        if step == len(path):
+            break
+        logp = target.compute_logits(out[-1:]).log_softmax(-1)[0]
+        total += float(logp[path[step]])
+        ids.append(path[step])
+        fs.append(out[-1])
+    return total
+
+
+# ---- acceptance power and greedy losslessness ---------------------------------------------
+
+def oracle_llm(tiny_llama, refs, depth, corrupt_at):
+    llm = LLM(tiny_llama[0], spec=SpecConfig("ngram", total_tokens=depth + 1, depth=depth), **KW)
+    llm.runner.drafter = OracleDrafter(refs, 320, corrupt_at)
+    return llm
+
+
+def test_oracle_drafts_are_accepted_at_every_depth(tiny_llama, plain):
+    D = 5
+    ps = prompts(12, seed=1)
+    params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
+    refs = {tuple(p): o.token_ids for p, o in zip(ps, plain.generate(ps, params))}
+    rng = random.Random(0)
+    llm = oracle_llm(tiny_llama, refs, D, corrupt_at=lambda _: rng.choice([1, 2, 3, 4, 5, None, None, None]))
+    outs = llm.generate(ps, params)
+    assert [o.token_ids for o in outs] == [refs[tuple(p)] for p in ps]
+    per_depth = [0] * D
+    for o in outs:
+        for d, n in enumerate(o.spec.accepted_per_depth):
+            per_depth[d] += n
+    assert min(per_depth) >= 100, per_depth
+    clean = oracle_llm(tiny_llama, refs, D, corrupt_at=None)
+    s = [o.spec for o in clean.generate(ps, params)]
+    assert sum(x.accepted_tokens + x.verify_steps for x in s) / sum(x.verify_steps for x in s) >= 0.8 * D
+
+
+SPECS = [
+    ("eagle2-small", SpecConfig("eagle2", total_tokens=6, depth=3, top_k=2)),
+    ("eagle2-wide", SpecConfig("eagle2", total_tokens=20, depth=5, top_k=4)),
+    ("eagle1-default", SpecConfig("eagle1")),
+    ("ngram", SpecConfig("ngram", total_tokens=6, depth=5)),
+]
+
+
+@pytest.mark.parametrize("name, spec", SPECS, ids=[s[0] for s in SPECS])
+def test_greedy_speculative_equals_plain(tiny_llama, plain, head_dir, name, spec):
+    ps = prompts(6, seed=2)
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (30, 7, 1, 22, 40, 13)]
+    ref = [o.token_ids for o in plain.generate(ps, params)]
+    llm = LLM(tiny_llama[0], draft=head_dir if spec.uses_head else None, spec=spec, **KW)
+    assert [o.token_ids for o in llm.generate(ps, params)] == ref  # batched
+    assert llm.generate(ps[0], params[0])[0].token_ids == ref[0]  # alone
+    assert llm.allocator.num_free_blocks == llm.allocator.num_blocks  # no scratch left behind
+
+
+@pytest.mark.parametrize("name, spec", SPECS[:2] + SPECS[3:], ids=[s[0] for s in SPECS[:2] + SPECS[3:]])
+def test_seeded_sampling_speculative_equals_plain(tiny_llama, plain, head_dir, name, spec):
+    ps = prompts(5, seed=3)
+    params = [SamplingParams(max_tokens=25, temperature=t, top_p=tp, top_k=k, seed=i, ignore_eos=True,
+                             frequency_penalty=fp, presence_penalty=pp)
+              for i, (t, tp, k, fp, pp) in enumerate([(0.8, 1.0, -1, 0, 0), (1.2, 0.9, -1, 0.5, 0),
+                                                      (0.5, 1.0, 20, 0, 0.3), (1.0, 0.7, 5, 1.0, 1.0),
+                                                      (0.0, 1.0, -1, 0.8, 0)])]
+    ref = [o.token_ids for o in plain.generate(ps, params)]
+    llm = LLM(tiny_llama[0], draft=head_dir if spec.uses_head else None, spec=spec, **KW)
+    assert [o.token_ids for o in llm.generate(ps, params)] == ref
+
+
+def test_oracle_sampling_with_penalties_equals_plain(tiny_llama, plain):
+    """Deep acceptances under sampling with penalties: the oracle proposes the seeded plain
+    continuation, so most nodes are accepted and per-node penalties are exercised."""
+    ps = prompts(4, seed=5)
+    params = [SamplingParams(max_tokens=30, temperature=1.0, seed=i, frequency_penalty=0.7, presence_penalty=0.4,
+                             ignore_eos=True, logprobs=2) for i in range(4)]
+    outs = plain.generate(ps, params)
+    refs = {tuple(p): o.token_ids for p, o in zip(ps, outs)}
+    llm = oracle_llm(tiny_llama, refs, 4, corrupt_at=lambda i: [None, 2, None, 4][i % 4])
+    got = llm.generate(ps, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in outs]
+    for a, b in zip(got, outs):  # logprobs come from the target's verify logits
+        assert [round(x.logprob, 9) for x in a.logprobs] == [round(x.logprob, 9) for x in b.logprobs]
+    assert sum(o.spec.accepted_tokens for o in got) > 40
+
+
+def test_kv_after_many_rounds_equals_plain(tiny_llama, plain):
+    p = prompts(1, seed=6)[0]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    ref = plain.generate(p, params)[0].token_ids
+    llm = oracle_llm(tiny_llama, {tuple(p): ref}, 4, corrupt_at=lambda i: [None, 1, 3][i % 3])
+    kv_of = {}
+    for name, engine in (("plain", LLM(tiny_llama[0], **KW)), ("spec", llm)):
+        captured = {}
+        finish = engine.loop.scheduler.finish
+
+        def capture(seq, *args, finish=finish, captured=captured, **kwargs):
+            captured.setdefault("table", (list(seq.table.blocks), seq.table.num_committed))
+            return finish(seq, *args, **kwargs)
+        engine.loop.scheduler.finish = capture
+        assert engine.generate(p, params)[0].token_ids == ref
+        blocks, committed = captured["table"]
+        slots = [blocks[i // 4] * 4 + i % 4 for i in range(committed)]
+        kv_of[name] = engine.runner.kv.data[:, :, slots].clone()
+    assert kv_of["spec"].shape == kv_of["plain"].shape
+    torch.testing.assert_close(kv_of["spec"], kv_of["plain"], rtol=1e-12, atol=1e-12)
+
+
+def test_eagle_on_a_model_without_head_is_a_clear_error(tiny_llama):
+    with pytest.raises(ValueError, match="needs a draft head"):
+        LLM(tiny_llama[0], spec=SpecConfig("eagle2"), **KW)
+
+
+def test_head_fixture_with_published_names_loads_and_mismatch_errors(tiny_llama, tmp_path):
+    from engine.loader import ModelLoadError
+    bad = write_eagle_head(str(tmp_path / "wide"), tiny_llama[0], hidden=96, stray_embed=False)
+    with pytest.raises(ModelLoadError, match="does not fit the target"):
+        LLM(tiny_llama[0], draft=bad, spec=SpecConfig("eagle2"), **KW)
+    ok = write_eagle_head(str(tmp_path / "ok"), tiny_llama[0], stray_embed=True)
+    from safetensors.torch import load_file, save_file
+    w = load_file(str(tmp_path / "ok" / "model.safetensors"))
+    w["embed_tokens.weight"] = w["embed_tokens.weight"] + 1
+    save_file(w, str(tmp_path / "ok" / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="embed_tokens differ"):
+        LLM(tiny_llama[0], draft=ok, spec=SpecConfig("eagle2"), **KW)
