@@ -49,3 +49,36 @@ class TorchAttention(AttentionBackend):
                                              scale=self.scale, enable_gqa=True)  # [B, H, Q, D]
         out = out.transpose(1, 2).reshape(B * Q, H * D)
         return out if batch.q_index is None else out.index_select(0, batch.q_index)
+
+
+class NativeCPUAttention(TorchAttention):
+    """CPU backend: the native paged kernel (engine/kernels/cpu_attention.cpp) for batches of
+    few queries per sequence (decode, tree verification), reading keys through the block
+    table without a gathered copy; prefill-sized batches use the torch path."""
+
+    name = "native"
+    MAX_QUERIES = 64
+
+    def __init__(self, scale: float, kernels):
+        super().__init__(scale)
+        self.kernels = kernels
+        self._no_mask = torch.empty(0, dtype=torch.bool)
+
+    def forward(self, q, k, v, layer, batch, kv):
+        if batch.max_query_len > self.MAX_QUERIES:
+            return super().forward(q, k, v, layer, batch, kv)
+        k_cache, v_cache = kv.keys(layer), kv.values(layer)
+        k_cache.index_copy_(0, batch.slot_mapping, k)
+        v_cache.index_copy_(0, batch.slot_mapping, v)
+        mask = self._no_mask if batch.attn_mask is None else batch.attn_mask.view(
+            batch.num_seqs, batch.max_query_len, batch.max_kv_len)
+        return self.kernels.paged_attention(q.contiguous(), k_cache, v_cache,
+                                            batch.kv_gather.view(batch.num_seqs, batch.max_kv_len),
+                                            batch.kv_lens, batch.q_seq, batch.q_row, mask, self.scale)
+
+
+def make_backend(scale: float, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+    """The native CPU backend where its kernels build, else the torch reference."""
+    from engine import kernels
+    mod = kernels.native() if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) else None
+    return NativeCPUAttention(scale, mod) if mod is not None else TorchAttention(scale)

@@ -38,6 +38,9 @@ class ForwardBatch:
     num_seqs: int
     max_query_len: int  # Q
     max_kv_len: int  # L
+    kv_lens: torch.Tensor  # [B] int64 keys of each sequence
+    q_seq: torch.Tensor  # [T] int64 sequence of each query
+    q_row: torch.Tensor  # [T] int64 row of each query within its sequence (mask row)
     cos: torch.Tensor | None = None  # [T, head_dim], set by the model from `positions`
     sin: torch.Tensor | None = None
 
@@ -71,7 +74,9 @@ def build_forward_batch(spans: list[SeqSpan], block_size: int, device: torch.dev
         slot_mapping=slot_mapping.to(device), kv_gather=kv_gather.to(device),
         attn_mask=None if mask is None else mask.to(device),
         q_index=None if q_index is None else q_index.to(device),
-        num_seqs=B, max_query_len=Q, max_kv_len=L)
+        num_seqs=B, max_query_len=Q, max_kv_len=L, kv_lens=torch.tensor(kv_lens, device=device),
+        q_seq=torch.tensor([b for b, n in enumerate(n_new) for _ in range(n)], device=device),
+        q_row=torch.tensor([i for n in n_new for i in range(n)], device=device))
 
 
 def _attention_mask(spans, n_cached, n_new, Q, L) -> torch.Tensor | None:

@@ -10,6 +10,7 @@ from torch import nn
 from engine import kernels
 
 
+FAST_DTYPES = (torch.float32, torch.bfloat16)
 SKINNY_MAX_ROWS = 4  # up to this many input rows the native kernel beats oneDNN (measured)
 
 
@@ -55,6 +56,14 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+    def add_forward(self, delta: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + delta), residual + delta); fused in one native call on the CPU."""
+        mod = kernels.native() if residual.device.type == "cpu" and residual.dtype in FAST_DTYPES else None
+        if mod is not None:
+            return mod.add_rms_norm(residual, delta.contiguous(), self.weight, self.eps), residual
+        residual = residual + delta
+        return self.forward(residual), residual
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:

@@ -5,7 +5,7 @@ import os
 
 import torch
 
-from engine.attention import TorchAttention
+from engine.attention import make_backend
 from engine.config import EngineConfig
 from engine.forward_batch import SeqSpan, build_forward_batch
 from engine.kv_cache import KVCache
@@ -55,7 +55,7 @@ class ModelRunner:
         self.kv = KVCache(cfg.num_layers, self.num_blocks, config.block_size, cfg.num_kv_heads,
                           cfg.head_dim, self.dtype, self.device)
         self.max_model_len = self._max_model_len()
-        self.backend = TorchAttention(scale=cfg.head_dim ** -0.5)
+        self.backend = make_backend(cfg.head_dim ** -0.5, self.device, self.dtype)
         self.spec = config.spec
         self.drafter = self._make_drafter()
 

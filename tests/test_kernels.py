@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from engine import kernels
 from engine.layers import SKINNY_MAX_ROWS, Linear
 
-native = kernels.skinny_linear()
+native = kernels.native()
 
 
 @pytest.mark.skipif(native is None, reason="no AVX-512 bf16 CPU or no compiler")
@@ -21,7 +21,7 @@ def test_native_skinny_linear_matches_reference(dtype, tol, m, k, n):
     b = torch.randn(n, generator=gen).to(dtype)
     ref = F.linear(x.double(), w.double(), b.double())
     for bias in (None, b):
-        got = native(x, w, bias).double()
+        got = native.skinny_linear(x, w, bias).double()
         want = ref if bias is not None else ref - b.double()
         assert got.shape == (m, n) and got.dtype == torch.float64
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
@@ -39,3 +39,50 @@ def test_prepacked_linear_matches_f_linear(dtype, rows):
     assert lin.prepack()
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(lin(x).float(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(native is None, reason="no AVX-512 bf16 CPU or no compiler")
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_native_paged_attention_matches_torch_backend(dtype, tol):
+    """Packed batch: a decode, a tree and a short chunk, GQA, shuffled blocks, vs the torch path."""
+    from engine.attention import NativeCPUAttention, TorchAttention
+    from engine.forward_batch import SeqSpan, build_forward_batch
+    from engine.kv_cache import KVCache
+    from engine.spec.tree import from_paths
+    gen = torch.Generator().manual_seed(0)
+    H, Hkv, D, bs = 6, 2, 32, 4
+    kv_a = KVCache(1, 64, bs, Hkv, D, dtype, torch.device("cpu"))
+    kv_a.data.copy_(torch.randn(kv_a.data.shape, generator=gen).to(dtype))
+    kv_b = KVCache(1, 64, bs, Hkv, D, dtype, torch.device("cpu"))
+    kv_b.data.copy_(kv_a.data)
+    blocks = torch.randperm(64, generator=gen).tolist()
+    tree = from_paths(1, [[2, 3], [2, 4], [5]])
+    spans = [SeqSpan([7], 13, blocks[:4]), SeqSpan(tree.tokens, 9, blocks[4:8], tree_mask=tree.ancestor_mask()),
+             SeqSpan([1, 2, 3], 5, blocks[8:10])]
+    batch = build_forward_batch(spans, bs, torch.device("cpu"))
+    T = batch.input_ids.shape[0]
+    q = torch.randn(T, H, D, generator=gen).to(dtype)
+    k = torch.randn(T, Hkv, D, generator=gen).to(dtype)
+    v = torch.randn(T, Hkv, D, generator=gen).to(dtype)
+    want = TorchAttention(D ** -0.5).forward(q.double().to(dtype), k, v, 0, batch, kv_a).float()
+    got = NativeCPUAttention(D ** -0.5, native).forward(q, k, v, 0, batch, kv_b).float()
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    torch.testing.assert_close(kv_b.data, kv_a.data)  # the same KV written
+    single = build_forward_batch([SeqSpan([7], 13, blocks[:4])], bs, torch.device("cpu"))  # no mask at all
+    want = TorchAttention(D ** -0.5).forward(q[:1], k[:1], v[:1], 0, single, kv_a).float()
+    got = NativeCPUAttention(D ** -0.5, native).forward(q[:1], k[:1], v[:1], 0, single, kv_b).float()
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(native is None, reason="no AVX-512 bf16 CPU or no compiler")
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_fused_add_rms_norm(dtype, tol):
+    from engine.layers import RMSNorm
+    norm = RMSNorm(40, 1e-5)
+    norm.weight.data = torch.randn(40).to(dtype)
+    x, delta = torch.randn(3, 40).to(dtype), torch.randn(3, 40).to(dtype)
+    want_res = (x.float() + delta.float())
+    want = F.rms_norm(want_res, (40,), norm.weight.float(), 1e-5)
+    got, res = norm.add_forward(delta, x.clone())
+    torch.testing.assert_close(res.float(), want_res, rtol=tol, atol=tol)
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)

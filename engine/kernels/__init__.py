@@ -1,6 +1,6 @@
 """Optional native CPU kernels, compiled on first use with torch's C++ extension loader.
 
-`skinny_linear()` returns the compiled op or None (no AVX-512 / bf16 support, no compiler, or
+`native()` returns the compiled module or None (no AVX-512 / bf16 support, no compiler, or
 EAGLE_SERVE_NATIVE_KERNELS=0); callers then fall back to oneDNN / F.linear. The build is cached
 under the torch extensions folder, so only the first start pays for it (~40 s).
 """
@@ -26,16 +26,23 @@ def cpu_flags() -> set[str]:
 
 
 @functools.cache
-def skinny_linear():
+def native():
+    """The compiled module (skinny_linear, paged_attention, add_rms_norm) or None."""
     if os.environ.get("EAGLE_SERVE_NATIVE_KERNELS", "1") == "0":
         return None
     if not {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= cpu_flags():
-        log.info("native CPU kernels need AVX-512 with bf16; using oneDNN")
+        log.info("native CPU kernels need AVX-512 with bf16; using oneDNN / torch")
         return None
     try:
         from torch.utils.cpp_extension import load
-        src = os.path.join(os.path.dirname(__file__), "cpu_gemv.cpp")
-        return load("eagle_serve_cpu_gemv", [src], extra_cflags=FLAGS, verbose=False).skinny_linear
+        here = os.path.dirname(__file__)
+        sources = [os.path.join(here, f) for f in ("cpu_gemv.cpp", "cpu_attention.cpp")]
+        return load("eagle_serve_cpu_kernels", sources, extra_cflags=FLAGS, verbose=False)
     except Exception as e:  # no compiler, no ninja, ...: fall back, loudly
-        log.warning("native CPU kernels unavailable (%s); using oneDNN", e)
+        log.warning("native CPU kernels unavailable (%s); using oneDNN / torch", e)
         return None
+
+
+def skinny_linear():
+    mod = native()
+    return None if mod is None else mod.skinny_linear

@@ -56,9 +56,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, batch, kv, backend):
-        x = x + self.self_attn(self.input_layernorm(x), batch, kv, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, h, residual, batch, kv, backend):
+        """(h, residual) -> (h, residual): the residual add is fused into the next norm, so a
+        layer's output is h + residual (residual None: h is the first layer's input)."""
+        if residual is None:
+            x, residual = self.input_layernorm(h), h
+        else:
+            x, residual = self.input_layernorm.add_forward(h, residual)
+        h = self.self_attn(x, batch, kv, backend)
+        x, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -81,11 +88,12 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch, kv: KVCache, backend: AttentionBackend) -> torch.Tensor:
         """Final-norm hidden states [T, hidden] of every new token."""
-        x = self.model.embed_tokens(batch.input_ids)
-        batch.cos, batch.sin = self.model.rotary.lookup(batch.positions, x.dtype)
+        h = self.model.embed_tokens(batch.input_ids)
+        batch.cos, batch.sin = self.model.rotary.lookup(batch.positions, h.dtype)
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, batch, kv, backend)
-        return self.model.norm(x)
+            h, residual = layer(h, residual, batch, kv, backend)
+        return self.model.norm.add_forward(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab] (float64 models stay float64)."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention import TorchAttention
+from engine.attention import make_backend
 from engine.forward_batch import SeqSpan, build_forward_batch
 from engine.kv_cache import KVCache
 from engine.models.llama import LlamaForCausalLM
@@ -52,7 +52,7 @@ class EagleDrafter(Drafter):
         self.head, self.target, self.spec = head, target, spec
         self.block_size, self.device = block_size, device
         self.kv = KVCache(1, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device)
-        self.backend = TorchAttention(cfg.head_dim ** -0.5)
+        self.backend = make_backend(cfg.head_dim ** -0.5, device, dtype)
         self.rotary = target.model.rotary if cfg.rope_theta == target.config.rope_theta else _rotary(cfg)
         self.states: dict[int, HeadState] = {}
         self.static = spec.method == "eagle1"

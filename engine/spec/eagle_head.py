@@ -39,7 +39,8 @@ class EagleHead(nn.Module):
         """embeds, features: [T, h] -> predicted next features [T, h]."""
         x = self.fc(torch.cat([embeds, features], dim=-1))
         batch.cos, batch.sin = rotary.lookup(batch.positions, x.dtype)
-        return self.layer(x, batch, kv, backend)
+        h, residual = self.layer(x, None, batch, kv, backend)
+        return h + residual
 
     def prepack(self, native: bool = True) -> int:
         return sum(m.prepack(native) for m in self.modules() if isinstance(m, Linear))
