@@ -79,5 +79,21 @@ def test_cli_generate_json(tiny_llama, capsys):
     assert code == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out) == {"text", "token_ids", "num_prompt_tokens", "num_generated_tokens", "elapsed_s",
-                        "tokens_per_s", "finish_reason"}
+                        "tokens_per_s", "finish_reason", "spec"}
     assert out["num_generated_tokens"] == len(out["token_ids"]) == 5 and out["finish_reason"] == "length"
+
+
+def test_cli_generate_with_ngram_spec_reports_stats(tiny_llama, capsys):
+    args = ["generate", "--model", tiny_llama[0], "--dtype", "float64", "--device", "cpu", "--kv-cache-tokens", "1024",
+            "--prompt", "the quick brown fox the quick brown fox the quick", "--max-tokens", "24", "--ignore-eos", "--json"]
+    assert main(args) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(args + ["--spec", "ngram", "--total-tokens", "5"]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert spec["token_ids"] == plain["token_ids"]
+    s = spec["spec"]
+    assert s["method"] == "ngram" and s["verify_steps"] >= 1 and s["draft_tokens"] >= s["accepted_tokens"]
+    assert s["acceptance_length"] == round((s["accepted_tokens"] + s["verify_steps"]) / s["verify_steps"], 4)
+    assert sum(s["accepted_per_depth"]) == s["accepted_tokens"]
+    assert main(args + ["--spec", "eagle2"]) == 2
+    assert "needs a draft head" in capsys.readouterr().err
