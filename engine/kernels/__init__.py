@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 
 log = logging.getLogger(__name__)
 FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]  # -fopenmp: at::parallel_for is OpenMP inline code
@@ -35,6 +36,10 @@ def native():
         return None
     try:
         from torch.utils.cpp_extension import load
+        # the `ninja` wheel installs its binary next to the interpreter, maybe not on PATH
+        bindir = os.path.dirname(sys.executable)
+        if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
         here = os.path.dirname(__file__)
         sources = [os.path.join(here, f) for f in ("cpu_gemv.cpp", "cpu_attention.cpp")]
         return load("eagle_serve_cpu_kernels", sources, extra_cflags=FLAGS, verbose=False)
