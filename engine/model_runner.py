@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import time
+from dataclasses import dataclass
 
 import torch
 
@@ -16,6 +18,23 @@ from engine.spec.config import SpecConfig
 from engine.spec.drafters import Drafter, NgramDrafter, NoDrafter
 from engine.spec.tree import DraftTree, root_only
 from engine.step_io import SeqResult, SeqStep
+
+
+@dataclass
+class PhaseTimes:
+    """Wall seconds spent per phase of `execute` (draft; target forward + sampling = verify;
+    acceptance, KV compaction and draft bookkeeping = accept), for benchmarks."""
+
+    draft: float = 0.0
+    verify: float = 0.0
+    accept: float = 0.0
+    steps: int = 0
+
+    def add(self, draft: float, verify: float, accept: float) -> None:
+        self.draft += draft
+        self.verify += verify
+        self.accept += accept
+        self.steps += 1
 
 
 def resolve_device(name: str) -> torch.device:
@@ -58,6 +77,7 @@ class ModelRunner:
         self.backend = make_backend(cfg.head_dim ** -0.5, self.device, self.dtype)
         self.spec = config.spec
         self.drafter = self._make_drafter()
+        self.timings = PhaseTimes()
 
     def _num_blocks(self) -> int:
         c, m = self.config, self.loaded.config
@@ -104,7 +124,9 @@ class ModelRunner:
     def execute(self, steps: list[SeqStep]) -> list[SeqResult]:
         """One round for every step: draft trees for decoding sequences, one packed target
         forward (prefill chunks and trees together), tree acceptance, KV compaction."""
+        t0 = time.perf_counter()
         trees = self._draft(steps)
+        t1 = time.perf_counter()
         spans = [self._span(s, t) for s, t in zip(steps, trees)]
         batch = build_forward_batch(spans, self.config.block_size, self.device)
         hidden = self.model(batch, self.kv, self.backend)
@@ -119,11 +141,13 @@ class ModelRunner:
             sample_rows.extend(node_rows(steps[i], trees[i]))
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         chosen, logprobs = sample(logits, sample_rows, self.loaded.eos_token_ids)
+        t2 = time.perf_counter()
         results, k = [], 0
         for i in sampled:
             n = len(trees[i])
             results.append(self._accept(steps[i], trees[i], chosen[k:k + n], logprobs[k:k + n], hidden, roots[i]))
             k += n
+        self.timings.add(draft=t1 - t0, verify=t2 - t1, accept=time.perf_counter() - t2)
         return results
 
     def _draft(self, steps: list[SeqStep]) -> list[DraftTree]:
