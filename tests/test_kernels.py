@@ -86,3 +86,39 @@ def test_fused_add_rms_norm(dtype, tol):
     got, res = norm.add_forward(delta, x.clone())
     torch.testing.assert_close(res.float(), want_res, rtol=tol, atol=tol)
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(native is None, reason="no AVX-512 bf16 CPU or no compiler")
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 6e-2)])
+def test_native_decode_stack_matches_python_forward(tiny_llama, dtype, tol):
+    """The one-call native stack gives the Python path's hidden states and KV (decode batch of
+    two sequences plus a single-sequence step, shuffled blocks)."""
+    from engine.attention import make_backend
+    from engine.forward_batch import SeqSpan, build_forward_batch
+    from engine.kv_cache import KVCache
+    from engine.loader import load_model
+    loaded = load_model(tiny_llama[0], dtype, torch.device("cpu"), skip_tokenizer=True)
+    model, cfg = loaded.model, loaded.config
+    model.prepack()
+    assert model._stack is not None
+    backend = make_backend(cfg.head_dim ** -0.5, torch.device("cpu"), dtype)
+    caches = [KVCache(cfg.num_layers, 32, 4, cfg.num_kv_heads, cfg.head_dim, dtype, torch.device("cpu"))
+              for _ in range(2)]
+    blocks = [[9, 3, 17, 5, 22], [1, 30, 12, 7]]
+    prompts = [[5, 8, 13, 21, 34, 55, 89, 144, 233, 10, 11, 12, 13, 14, 15, 16, 17], [7, 6, 5, 4, 3, 2, 1, 9]]
+    outs = []
+    for kv, use_stack in zip(caches, (True, False)):
+        stack = model._stack
+        model._stack = stack if use_stack else None
+        with torch.inference_mode():
+            prefill = build_forward_batch([SeqSpan(p, 0, b) for p, b in zip(prompts, blocks)], 4, torch.device("cpu"))
+            model(prefill, kv, backend)  # > 4 tokens: the Python path either way
+            step = build_forward_batch([SeqSpan([40], len(prompts[0]), blocks[0]), SeqSpan([41], len(prompts[1]), blocks[1])],
+                                       4, torch.device("cpu"))
+            two = model(step, kv, backend)
+            one = model(build_forward_batch([SeqSpan([42], len(prompts[0]) + 1, blocks[0])], 4, torch.device("cpu")),
+                        kv, backend)
+        model._stack = stack
+        outs.append((two.float(), one.float(), kv.data.float()))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)

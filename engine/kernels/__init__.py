@@ -41,7 +41,7 @@ def native():
         if bindir not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
         here = os.path.dirname(__file__)
-        sources = [os.path.join(here, f) for f in ("cpu_gemv.cpp", "cpu_attention.cpp")]
+        sources = [os.path.join(here, f) for f in ("cpu_gemv.cpp", "cpu_attention.cpp", "cpu_decode.cpp")]
         return load("eagle_serve_cpu_kernels", sources, extra_cflags=FLAGS, verbose=False)
     except Exception as e:  # no compiler, no ninja, ...: fall back, loudly
         log.warning("native CPU kernels unavailable (%s); using oneDNN / torch", e)

@@ -102,9 +102,11 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
                               torch::Tensor kv_lens, torch::Tensor q_seq, torch::Tensor q_row, torch::Tensor mask,
                               double scale);
 torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor weight, double eps);
+void register_decode_stack(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_linear", &skinny_linear, "y = x @ w.T (+ bias) for few rows of x");
   m.def("paged_attention", &paged_attention, "attention of few queries over block-table slots");
   m.def("add_rms_norm", &add_rms_norm, "x += delta; return rms_norm(x) * weight");
+  register_decode_stack(m);
 }

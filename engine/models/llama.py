@@ -14,8 +14,12 @@ from torch import nn
 from engine.attention import AttentionBackend
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVCache
-from engine.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope
+from engine import kernels
+from engine.layers import FAST_DTYPES, SKINNY_MAX_ROWS, Linear, RMSNorm, RotaryEmbedding, apply_rope
 from engine.model_config import ModelConfig
+
+
+_NO_MASK = torch.empty(0, dtype=torch.bool)
 
 
 class Attention(nn.Module):
@@ -85,9 +89,12 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.model = LlamaModel(cfg)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        self._stack = None  # native decode stack, set by prepack() where available
 
     def forward(self, batch: ForwardBatch, kv: KVCache, backend: AttentionBackend) -> torch.Tensor:
         """Final-norm hidden states [T, hidden] of every new token."""
+        if self._stack is not None and batch.input_ids.shape[0] <= SKINNY_MAX_ROWS and backend.name == "native":
+            return self._native_forward(batch, kv)
         h = self.model.embed_tokens(batch.input_ids)
         batch.cos, batch.sin = self.model.rotary.lookup(batch.positions, h.dtype)
         residual = None
@@ -101,5 +108,31 @@ class LlamaForCausalLM(nn.Module):
         return logits if logits.dtype == torch.float64 else logits.float()
 
     def prepack(self, native: bool = True) -> int:
-        """Set up the fast CPU paths of every linear; returns how many got one."""
-        return sum(m.prepack(native) for m in self.modules() if isinstance(m, Linear))
+        """Set up the fast CPU paths: every linear's, and the native decode stack."""
+        packed = sum(m.prepack(native) for m in self.modules() if isinstance(m, Linear))
+        mod = kernels.native() if native else None
+        if mod is not None and not self.config.mlp_bias and self.lm_head.weight.dtype in FAST_DTYPES:
+            self._stack = self._build_stack(mod)
+        return packed
+
+    def _build_stack(self, mod):
+        layers, cfg = self.model.layers, self.config
+        none = torch.empty(0)
+        bias = lambda lin: lin.bias.data if lin.bias is not None else none  # noqa: E731
+        return mod.DecodeStack(
+            [l.input_layernorm.weight.data for l in layers], [l.self_attn.qkv_proj.weight.data for l in layers],
+            [bias(l.self_attn.qkv_proj) for l in layers], [l.self_attn.o_proj.weight.data for l in layers],
+            [bias(l.self_attn.o_proj) for l in layers], [l.post_attention_layernorm.weight.data for l in layers],
+            [l.mlp.gate_up_proj.weight.data for l in layers], [l.mlp.down_proj.weight.data for l in layers],
+            self.model.norm.weight.data, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
+            cfg.head_dim ** -0.5)
+
+    def _native_forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        """The whole stack in one native call (decode-sized batches on the CPU)."""
+        h = self.model.embed_tokens(batch.input_ids)
+        rot = self.model.rotary
+        mask = _NO_MASK if batch.attn_mask is None else batch.attn_mask.view(
+            batch.num_seqs, batch.max_query_len, batch.max_kv_len)
+        return self._stack.forward(h, kv.data, batch.slot_mapping, batch.kv_gather.view(batch.num_seqs, -1),
+                                   batch.kv_lens, batch.q_seq, batch.q_row, mask,
+                                   rot.cos_table[batch.positions], rot.sin_table[batch.positions])

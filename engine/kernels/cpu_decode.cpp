@@ -1,0 +1,109 @@
+// The whole Llama decoder stack for a decode-sized batch (a few tokens) in one native call.
+//
+// At decode sizes the weights stream at memory bandwidth in a few milliseconds, and the ~15
+// small tensor ops per layer that surround them cost about as much again when each is a
+// Python-level call. `DecodeStack` holds every layer's weights once and runs the layers in C++
+// with the same kernels the Python path uses (skinny_linear, paged_attention, add_rms_norm);
+// tests/test_kernels.py checks it against the Python forward.
+#include <torch/extension.h>
+#include <cmath>
+#include <vector>
+
+torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor kv_gather,
+                              torch::Tensor kv_lens, torch::Tensor q_seq, torch::Tensor q_row, torch::Tensor mask,
+                              double scale);
+torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor weight, double eps);
+
+namespace {
+
+// Rotate-half RoPE in place on the first `heads` heads of each row of qkv [T, *]; cos, sin [T, D].
+template <typename T>
+void rope_inplace(T* qkv, int64_t rows, int64_t row_stride, int64_t heads, int64_t D, const float* cos,
+                  const float* sin) {
+  const int64_t half = D / 2;
+  for (int64_t t = 0; t < rows; ++t) {
+    const float* c = cos + t * D;
+    const float* s = sin + t * D;
+    for (int64_t h = 0; h < heads; ++h) {
+      T* v = qkv + t * row_stride + h * D;
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = static_cast<float>(v[i]), x2 = static_cast<float>(v[i + half]);
+        v[i] = static_cast<T>(x1 * c[i] - x2 * s[i]);
+        v[i + half] = static_cast<T>(x2 * c[i + half] + x1 * s[i + half]);
+      }
+    }
+  }
+}
+
+template <typename T>
+void silu_mul(const T* gu, T* out, int64_t rows, int64_t inter) {
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t i = 0; i < inter; ++i) {
+      const float g = static_cast<float>(gu[t * 2 * inter + i]), u = static_cast<float>(gu[t * 2 * inter + inter + i]);
+      out[t * inter + i] = static_cast<T>(g / (1.f + std::exp(-g)) * u);
+    }
+}
+
+c10::optional<torch::Tensor> opt(const torch::Tensor& t) {
+  return t.defined() && t.numel() ? c10::optional<torch::Tensor>(t) : c10::nullopt;
+}
+
+}  // namespace
+
+struct DecodeStack {
+  std::vector<torch::Tensor> in_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, down;
+  torch::Tensor final_norm;
+  int64_t heads, kv_heads, head_dim, inter;
+  double eps, scale;
+
+  DecodeStack(std::vector<torch::Tensor> in_norm, std::vector<torch::Tensor> qkv, std::vector<torch::Tensor> qkv_bias,
+              std::vector<torch::Tensor> o, std::vector<torch::Tensor> o_bias, std::vector<torch::Tensor> post_norm,
+              std::vector<torch::Tensor> gate_up, std::vector<torch::Tensor> down, torch::Tensor final_norm,
+              int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale)
+      : in_norm(in_norm), qkv(qkv), qkv_bias(qkv_bias), o(o), o_bias(o_bias), post_norm(post_norm),
+        gate_up(gate_up), down(down), final_norm(final_norm), heads(heads), kv_heads(kv_heads),
+        head_dim(head_dim), inter(down[0].size(1)), eps(eps), scale(scale) {}
+
+  // h: [T, hidden] embeddings; kv: [layers, 2, S, Hkv, D]; cos/sin: [T, D] float32.
+  torch::Tensor forward(torch::Tensor h, torch::Tensor kv, torch::Tensor slot_mapping, torch::Tensor kv_gather,
+                        torch::Tensor kv_lens, torch::Tensor q_seq, torch::Tensor q_row, torch::Tensor mask,
+                        torch::Tensor cos, torch::Tensor sin) {
+    const int64_t T = h.size(0), D = head_dim, q_size = heads * D, kv_size = kv_heads * D;
+    torch::Tensor residual = h.clone();
+    torch::Tensor delta = torch::zeros_like(h);
+    torch::Tensor act = torch::empty({T, inter}, h.options());
+    for (size_t l = 0; l < qkv.size(); ++l) {
+      torch::Tensor x = add_rms_norm(residual, delta, in_norm[l], eps);  // delta is 0 for layer 0
+      torch::Tensor fused = skinny_linear(x, qkv[l], opt(qkv_bias[l]));  // [T, q + 2 kv]
+      AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, h.scalar_type(), "rope", [&] {
+        rope_inplace<scalar_t>(fused.data_ptr<scalar_t>(), T, q_size + 2 * kv_size, heads + kv_heads, D,
+                               cos.data_ptr<float>(), sin.data_ptr<float>());
+      });
+      torch::Tensor k = fused.narrow(1, q_size, kv_size).reshape({T, kv_heads, D});
+      torch::Tensor v = fused.narrow(1, q_size + kv_size, kv_size).reshape({T, kv_heads, D});
+      torch::Tensor k_cache = kv.select(0, l).select(0, 0), v_cache = kv.select(0, l).select(0, 1);
+      k_cache.index_copy_(0, slot_mapping, k);
+      v_cache.index_copy_(0, slot_mapping, v);
+      torch::Tensor q = fused.narrow(1, 0, q_size).reshape({T, heads, D}).contiguous();
+      torch::Tensor attn = paged_attention(q, k_cache, v_cache, kv_gather, kv_lens, q_seq, q_row, mask, scale);
+      torch::Tensor out = skinny_linear(attn.contiguous(), o[l], opt(o_bias[l]));
+      x = add_rms_norm(residual, out, post_norm[l], eps);
+      torch::Tensor gu = skinny_linear(x, gate_up[l], c10::nullopt);
+      AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, h.scalar_type(), "silu_mul", [&] {
+        silu_mul<scalar_t>(gu.data_ptr<scalar_t>(), act.data_ptr<scalar_t>(), T, inter);
+      });
+      delta = skinny_linear(act, down[l], c10::nullopt);
+    }
+    return add_rms_norm(residual, delta, final_norm, eps);
+  }
+};
+
+void register_decode_stack(pybind11::module& m) {
+  pybind11::class_<DecodeStack>(m, "DecodeStack")
+      .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
+                          std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
+                          std::vector<torch::Tensor>, std::vector<torch::Tensor>, torch::Tensor, int64_t, int64_t,
+                          int64_t, double, double>())
+      .def("forward", &DecodeStack::forward);
+}
