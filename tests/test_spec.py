@@ -246,3 +246,20 @@ def test_head_fixture_with_published_names_loads_and_mismatch_errors(tiny_llama,
     save_file(w, str(tmp_path / "ok" / "model.safetensors"))
     with pytest.raises(ModelLoadError, match="embed_tokens differ"):
         LLM(tiny_llama[0], draft=ok, spec=SpecConfig("eagle2"), **KW)
+
+
+def test_float32_native_paths_speculative_equals_plain(tiny_llama):
+    """On the CPU fast paths (native decode stack for trees of <= 4 tokens, oneDNN + native
+    attention above), oracle speculation still reproduces plain greedy decoding."""
+    kw = dict(KW, dtype="float32")
+    plain32 = LLM(tiny_llama[0], **kw)
+    ps = prompts(4, seed=9)
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    ref = [o.token_ids for o in plain32.generate(ps, params)]
+    refs = {tuple(p): r for p, r in zip(ps, ref)}
+    for depth in (3, 7):  # trees of 4 tokens (native stack) and 8 (Python path)
+        llm = LLM(tiny_llama[0], spec=SpecConfig("ngram", total_tokens=depth + 1, depth=depth), **kw)
+        llm.runner.drafter = OracleDrafter(refs, 320, corrupt_at=lambda i: [None, 2][i % 2])
+        outs = llm.generate(ps, params)
+        assert [o.token_ids for o in outs] == ref
+        assert sum(o.spec.accepted_tokens for o in outs) > 20
