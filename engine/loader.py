@@ -92,12 +92,21 @@ FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_p
 
 
 def load_weights(net: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype) -> None:
-    params = dict(net.named_parameters())
+    tied = net.config.tie_word_embeddings
+    if tied:  # one parameter under two names; a stored lm_head.weight is ignored
+        net.lm_head.weight = net.model.embed_tokens.weight
+    fill_parameters(net, ((n, w) for n, w in tensors
+                          if "rotary_emb" not in n and not (tied and n == "lm_head.weight")), dtype, "the checkpoint")
+
+
+def fill_parameters(module: torch.nn.Module, tensors: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype,
+                    where: str) -> None:
+    """Copy HF-named tensors into `module`'s parameters (q/k/v and gate/up concatenated into
+    the fused ones), checking shapes and that every parameter is filled exactly once."""
+    params = dict(module.named_parameters())
     pending: dict[str, dict[int, torch.Tensor]] = {}
     filled: set[str] = set()
     for name, w in tensors:
-        if "rotary_emb" in name:
-            continue
         parts = name.split(".")
         if len(parts) >= 2 and parts[-2] in FUSED:
             fused, index = FUSED[parts[-2]]
@@ -107,23 +116,17 @@ def load_weights(net: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tenso
                 continue
             w = torch.cat([part for _, part in sorted(pending.pop(target).items())], 0)  # q,k,v / gate,up
             name = target
-        _assign(params, filled, name, w, dtype)
-    if net.config.tie_word_embeddings:
-        net.lm_head.weight = net.model.embed_tokens.weight
-        filled.add("lm_head.weight")
-    missing = sorted(set(params) - filled)
-    if missing or pending:
-        raise ModelLoadError(f"weights missing from the checkpoint: {(missing + sorted(pending))[:8]}")
-
-
-def _assign(params: dict, filled: set, name: str, w: torch.Tensor, dtype: torch.dtype) -> None:
-    if name not in params:
-        raise ModelLoadError(f"unexpected weight {name!r} in the checkpoint")
-    p = params[name]
-    if tuple(p.shape) != tuple(w.shape):
-        raise ModelLoadError(f"weight {name!r} has shape {tuple(w.shape)}, the config implies {tuple(p.shape)}")
-    p.data = w.to(dtype).contiguous()
-    filled.add(name)
+        if name not in params or name in filled:
+            raise ModelLoadError(f"unexpected weight {name!r} in {where}")
+        p = params[name]
+        if tuple(p.shape) != tuple(w.shape):
+            raise ModelLoadError(f"weight {name!r} in {where} has shape {tuple(w.shape)}, the config implies "
+                                 f"{tuple(p.shape)}")
+        p.data = w.to(dtype).contiguous()
+        filled.add(name)
+    missing = sorted(set(params) - filled) + sorted(pending)
+    if missing:
+        raise ModelLoadError(f"weights missing from {where}: {missing[:8]}")
 
 
 def _eos_ids(raw: dict, hf_dir: str | None, tokenizer: Tokenizer | None) -> frozenset[int]:

@@ -21,7 +21,7 @@ from engine.attention import AttentionBackend
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVCache
 from engine.layers import Linear
-from engine.loader import FUSED, ModelLoadError
+from engine.loader import ModelLoadError, fill_parameters
 from engine.model_config import ModelConfig
 from engine.models.llama import DecoderLayer, LlamaForCausalLM
 
@@ -77,33 +77,11 @@ def load_eagle_head(path: str, target: LlamaForCausalLM, dtype: torch.dtype) -> 
 
 
 def _load(head: EagleHead, weights: dict, target: LlamaForCausalLM, dtype: torch.dtype, path: str) -> None:
-    params = dict(head.named_parameters())
-    fused: dict[str, dict[int, torch.Tensor]] = {}
-    for name, w in weights.items():
-        if name.endswith("embed_tokens.weight"):
-            if not torch.equal(w.to(dtype), target.model.embed_tokens.weight.data.to(dtype)):
-                raise ModelLoadError(f"draft head {path!r}: its embed_tokens differ from the target's")
-            continue
-        name = name.removeprefix("model.").replace("layers.0.", "layer.")
-        parts = name.split(".")
-        if len(parts) >= 2 and parts[-2] in FUSED:
-            target_name, index = FUSED[parts[-2]]
-            key = ".".join(parts[:-2] + [target_name, parts[-1]])
-            fused.setdefault(key, {})[index] = w
-            continue
-        _put(params, name, w, dtype, path)
-    for key, parts in fused.items():
-        _put(params, key, torch.cat([p for _, p in sorted(parts.items())], 0), dtype, path)
-    missing = [n for n, p in params.items() if not getattr(p, "_loaded", False)]
-    if missing:
-        raise ModelLoadError(f"draft head {path!r}: missing weights {missing}")
-
-
-def _put(params: dict, name: str, w: torch.Tensor, dtype: torch.dtype, path: str) -> None:
-    if name not in params:
-        raise ModelLoadError(f"draft head {path!r}: unexpected weight {name!r}")
-    p = params[name]
-    if tuple(p.shape) != tuple(w.shape):
-        raise ModelLoadError(f"draft head {path!r}: {name} has shape {tuple(w.shape)}, expected {tuple(p.shape)}")
-    p.data = w.to(dtype).contiguous()
-    p._loaded = True
+    def renamed():
+        for name, w in weights.items():
+            if name.endswith("embed_tokens.weight"):  # tolerated if it is the target's own
+                if not torch.equal(w.to(dtype), target.model.embed_tokens.weight.data.to(dtype)):
+                    raise ModelLoadError(f"draft head {path!r}: its embed_tokens differ from the target's")
+                continue
+            yield name.removeprefix("model.").replace("layers.0.", "layer."), w
+    fill_parameters(head, renamed(), dtype, f"draft head {path!r}")
