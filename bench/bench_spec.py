@@ -225,7 +225,9 @@ def run_systems(systems: list[bd.System], prompts: list[dict], warm: dict, args)
     sets = {p["qid"]: p["set"] for p in prompts}
     try:
         bd.warm_up(systems, warm, args.max_new)
-        rows = bd.run_alternating(systems, prompts, args)
+        rows, discarded = bd.run_alternating(systems, prompts, args)
+        if discarded:
+            print(f"{len(discarded)} contended requests were re-run; their first timings are dropped")
     finally:
         for s in systems:
             s.close()
