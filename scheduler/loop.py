@@ -70,6 +70,8 @@ class EngineLoop:
                 f"this model's maximum context length is {max_len} tokens; the prompt has "
                 f"{len(prompt)} tokens and max_tokens is {params.max_tokens} "
                 f"({len(prompt) + params.max_tokens} in total)")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer (this engine was built with skip_tokenizer)")
         if any(t < 0 or t >= self.vocab_size for t in params.logit_bias):
             raise ValueError(f"logit_bias has a token id outside the vocabulary [0, {self.vocab_size})")
 
@@ -105,7 +107,7 @@ class EngineLoop:
             self.executor.release(seq.seq_id)
             self._seqs.pop(seq.seq_id, None)
             self._text.pop(seq.seq_id, None)
-        return make_output(seq, state, delta) if state else make_output_ids(seq)
+        return make_output(seq, state, delta)
 
     def run_to_completion(self) -> dict[int, RequestOutput]:
         final: dict[int, RequestOutput] = {}
@@ -114,10 +116,3 @@ class EngineLoop:
                 if out.finished:
                     final[out.seq_id] = out
         return final
-
-
-def make_output_ids(seq: Sequence) -> RequestOutput:
-    """Output for an engine built without a tokenizer (token ids only)."""
-    class _NoText:
-        text = ""
-    return make_output(seq, _NoText(), "")

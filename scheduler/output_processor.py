@@ -71,11 +71,12 @@ class SeqTextState:
         return s
 
 
-def make_output(seq: Sequence, state: SeqTextState, delta: str) -> RequestOutput:
+def make_output(seq: Sequence, state: SeqTextState | None, delta: str) -> RequestOutput:
+    """`state` is None for an engine without a tokenizer: token ids only, no text."""
     reason = seq.finish_reason.value if isinstance(seq.finish_reason, FinishReason) else None
     return RequestOutput(
         seq_id=seq.seq_id, prompt_token_ids=seq.prompt_token_ids,
-        token_ids=list(seq.output_token_ids), text=state.text, text_delta=delta,
+        token_ids=list(seq.output_token_ids), text=state.text if state else "", text_delta=delta,
         finished=seq.is_finished, finish_reason=reason, stop_reason=seq.stop_reason,
         logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
         arrival_time=seq.arrival_time, first_token_time=seq.first_token_time, finish_time=seq.finish_time,

@@ -93,3 +93,11 @@ def test_bad_prompts(tiny_llm):
 def test_cli_reports_errors_cleanly(capsys):
     assert main(["generate", "--model", "/no/such/dir", "--prompt", "x"]) == 2
     assert "/no/such/dir" in capsys.readouterr().err
+
+
+def test_stop_strings_without_a_tokenizer_are_refused(tiny_llama):
+    from server.llm import LLM
+    llm = LLM(tiny_llama[0], dtype="float64", device="cpu", kv_cache_tokens=256, skip_tokenizer=True)
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        llm.generate([[5, 6]], SamplingParams(stop=["x"]))
+    assert llm.generate([[5, 6]], SamplingParams(max_tokens=2))[0].text == ""
