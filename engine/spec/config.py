@@ -4,6 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 METHODS = ("eagle2", "eagle1", "ngram", "none")
+# (total_tokens, depth, top_k) when not given. ngram: 4 tokens verified, 3 drafted was the best
+# setting on the 2-core CPU (bench/results/spec.json: 1.21x MT-bench, 1.31x HumanEval; bigger
+# trees leave the native <= 4-row kernels and cost more to verify than they gain).
+METHOD_DEFAULTS = {"eagle2": (24, 5, 4), "eagle1": (24, 5, 4), "ngram": (4, 3, 1), "none": (1, 1, 1)}
 
 # EAGLE-1 style static tree: paths of child ranks below the root ([0, 1] = the best child's
 # second-best child). 24 nodes, depth 4: wide near the root where the draft is least sure.
@@ -25,9 +29,9 @@ class SpecConfig:
     """
 
     method: str = "none"
-    total_tokens: int = 24
-    depth: int = 5
-    top_k: int = 4
+    total_tokens: int | None = None  # None: the method's default (METHOD_DEFAULTS)
+    depth: int | None = None
+    top_k: int | None = None
     static_tree: tuple[tuple[int, ...], ...] = DEFAULT_STATIC_TREE
     ngram_max: int = 4
     ngram_min: int = 1
@@ -35,6 +39,9 @@ class SpecConfig:
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"spec method must be one of {METHODS}, got {self.method!r}")
+        for name, value in zip(("total_tokens", "depth", "top_k"), METHOD_DEFAULTS[self.method]):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
         if self.total_tokens < 1 or self.depth < 1 or self.top_k < 1:
             raise ValueError("total_tokens, depth and top_k must be >= 1")
         if not self.static_tree or any(not p or min(p) < 0 for p in self.static_tree):
