@@ -29,7 +29,7 @@ class Linear(nn.Module):
 
     def prepack(self, native: bool = True) -> bool:
         w = self.weight
-        if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
+        if w.device.type != "cpu" or w.dtype not in FAST_DTYPES:
             return False
         self._skinny = kernels.skinny_linear() if native else None
         if _onednn_ok():
