@@ -36,9 +36,11 @@ class Linear(nn.Module):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w.data, 1)
         return self._skinny is not None or self._packed is not None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, float_out: bool = False) -> torch.Tensor:
+        """float_out: return float32 (where the native kernel runs, straight from its float32
+        accumulator, not rounded through the weight dtype)."""
         if self._skinny is not None and x.shape[0] <= SKINNY_MAX_ROWS:
-            return self._skinny(x.contiguous(), self.weight, self.bias)
+            return self._skinny(x.contiguous(), self.weight, self.bias, float_out)
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -122,3 +122,18 @@ def test_native_decode_stack_matches_python_forward(tiny_llama, dtype, tol):
         outs.append((two.float(), one.float(), kv.data.float()))
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(native is None, reason="no AVX-512 bf16 CPU or no compiler")
+def test_skinny_float_out_keeps_the_accumulator():
+    """The LM head's logits come out in float32 straight from the accumulator: no bf16 rounding
+    (which at |logit| ~ 25 has steps of 0.125 and turns near-ties into exact ties)."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 576, generator=gen).bfloat16()
+    w = (torch.randn(300, 576, generator=gen) / 5).bfloat16()
+    ref = x.double() @ w.double().T  # bf16 products are exact in float32; only the sum rounds
+    got = native.skinny_linear(x, w, None, True)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-4)
+    rounded = native.skinny_linear(x, w, None, False).double()
+    assert (rounded - ref).abs().max() > 10 * (got.double() - ref).abs().max()

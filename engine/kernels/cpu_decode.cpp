@@ -9,7 +9,7 @@
 #include <cmath>
 #include <vector>
 
-torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, bool float_out);
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor kv_gather,
                               torch::Tensor kv_lens, torch::Tensor q_seq, torch::Tensor q_row, torch::Tensor mask,
                               double scale);
@@ -75,7 +75,7 @@ struct DecodeStack {
     torch::Tensor act = torch::empty({T, inter}, h.options());
     for (size_t l = 0; l < qkv.size(); ++l) {
       torch::Tensor x = add_rms_norm(residual, delta, in_norm[l], eps);  // delta is 0 for layer 0
-      torch::Tensor fused = skinny_linear(x, qkv[l], opt(qkv_bias[l]));  // [T, q + 2 kv]
+      torch::Tensor fused = skinny_linear(x, qkv[l], opt(qkv_bias[l]), false);  // [T, q + 2 kv]
       AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, h.scalar_type(), "rope", [&] {
         rope_inplace<scalar_t>(fused.data_ptr<scalar_t>(), T, q_size + 2 * kv_size, heads + kv_heads, D,
                                cos.data_ptr<float>(), sin.data_ptr<float>());
@@ -87,13 +87,13 @@ struct DecodeStack {
       v_cache.index_copy_(0, slot_mapping, v);
       torch::Tensor q = fused.narrow(1, 0, q_size).reshape({T, heads, D}).contiguous();
       torch::Tensor attn = paged_attention(q, k_cache, v_cache, kv_gather, kv_lens, q_seq, q_row, mask, scale);
-      torch::Tensor out = skinny_linear(attn.contiguous(), o[l], opt(o_bias[l]));
+      torch::Tensor out = skinny_linear(attn.contiguous(), o[l], opt(o_bias[l]), false);
       x = add_rms_norm(residual, out, post_norm[l], eps);
-      torch::Tensor gu = skinny_linear(x, gate_up[l], c10::nullopt);
+      torch::Tensor gu = skinny_linear(x, gate_up[l], c10::nullopt, false);
       AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, h.scalar_type(), "silu_mul", [&] {
         silu_mul<scalar_t>(gu.data_ptr<scalar_t>(), act.data_ptr<scalar_t>(), T, inter);
       });
-      delta = skinny_linear(act, down[l], c10::nullopt);
+      delta = skinny_linear(act, down[l], c10::nullopt, false);
     }
     return add_rms_norm(residual, delta, final_norm, eps);
   }

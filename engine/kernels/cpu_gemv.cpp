@@ -68,21 +68,26 @@ void check(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<t
 
 }  // namespace
 
-torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, bool float_out) {
   check(x, w, bias);
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  auto y = torch::empty({M, N}, x.options());
   const bool bf16 = x.scalar_type() == at::kBFloat16;
+  // float_out keeps the float32 accumulator instead of rounding to bf16 (the LM head: rounding
+  // logits of ~25 to bf16 steps of 0.125 would manufacture exact ties)
+  auto y = torch::empty({M, N}, float_out ? x.options().dtype(at::kFloat) : x.options());
   TORCH_CHECK(bf16 || x.scalar_type() == at::kFloat, "dtype must be float32 or bfloat16");
   if (bf16) {
     auto xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
     auto wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-    auto yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
     auto bp = bias ? reinterpret_cast<const uint16_t*>(bias->data_ptr<at::BFloat16>()) : nullptr;
+    float* yf = float_out ? y.data_ptr<float>() : nullptr;
+    uint16_t* yh = float_out ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
     at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
       for (int64_t n = n0; n < n1; ++n)
-        for (int64_t m = 0; m < M; ++m)  // the row is in L1 after the first input row
-          yp[m * N + n] = to_bf16(dot_bf16(xp + m * K, wp + n * K, K) + (bp ? bf16_to_float(bp[n]) : 0.f));
+        for (int64_t m = 0; m < M; ++m) {  // the row is in L1 after the first input row
+          const float v = dot_bf16(xp + m * K, wp + n * K, K) + (bp ? bf16_to_float(bp[n]) : 0.f);
+          if (yf) yf[m * N + n] = v; else yh[m * N + n] = to_bf16(v);
+        }
     });
   } else {
     const float* xp = x.data_ptr<float>();
@@ -105,7 +110,8 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor w
 void register_decode_stack(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("skinny_linear", &skinny_linear, "y = x @ w.T (+ bias) for few rows of x");
+  m.def("skinny_linear", &skinny_linear, "y = x @ w.T (+ bias) for few rows of x",
+        pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias"), pybind11::arg("float_out") = false);
   m.def("paged_attention", &paged_attention, "attention of few queries over block-table slots");
   m.def("add_rms_norm", &add_rms_norm, "x += delta; return rms_norm(x) * weight");
   register_decode_stack(m);

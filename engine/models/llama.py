@@ -104,7 +104,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab] (float64 models stay float64)."""
-        logits = self.lm_head(hidden)
+        logits = self.lm_head(hidden, float_out=True)
         return logits if logits.dtype == torch.float64 else logits.float()
 
     def prepack(self, native: bool = True) -> int:
