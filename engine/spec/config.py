@@ -4,9 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 METHODS = ("eagle2", "eagle1", "ngram", "none")
-# (total_tokens, depth, top_k) when not given. ngram: 4 tokens verified, 3 drafted was the best
-# setting on the 2-core CPU (bench/results/spec.json: 1.21x MT-bench, 1.31x HumanEval; bigger
-# trees leave the native <= 4-row kernels and cost more to verify than they gain).
+# (total_tokens, depth, top_k) when not given. ngram: 4 tokens verified is where it pays on the
+# 2-core CPU (bench/results/spec.json: 1.02-1.10x; 8- and 16-token trees lose, 0.72-0.92x: they
+# leave the native <= 4-row kernels and cost more to verify than they gain).
 METHOD_DEFAULTS = {"eagle2": (24, 5, 4), "eagle1": (24, 5, 4), "ngram": (4, 3, 1), "none": (1, 1, 1)}
 
 # EAGLE-1 style static tree: paths of child ranks below the root ([0, 1] = the best child's
