@@ -62,7 +62,6 @@ class NativeCPUAttention(TorchAttention):
     def __init__(self, scale: float, kernels):
         super().__init__(scale)
         self.kernels = kernels
-        self._no_mask = torch.empty(0, dtype=torch.bool)
 
     def forward(self, q, k, v, layer, batch, kv):
         if batch.max_query_len > self.MAX_QUERIES:
@@ -70,15 +69,14 @@ class NativeCPUAttention(TorchAttention):
         k_cache, v_cache = kv.keys(layer), kv.values(layer)
         k_cache.index_copy_(0, batch.slot_mapping, k)
         v_cache.index_copy_(0, batch.slot_mapping, v)
-        mask = self._no_mask if batch.attn_mask is None else batch.attn_mask.view(
-            batch.num_seqs, batch.max_query_len, batch.max_kv_len)
         return self.kernels.paged_attention(q.contiguous(), k_cache, v_cache,
                                             batch.kv_gather.view(batch.num_seqs, batch.max_kv_len),
-                                            batch.kv_lens, batch.q_seq, batch.q_row, mask, self.scale)
+                                            batch.kv_lens, batch.q_seq, batch.q_row, batch.mask_3d(), self.scale)
 
 
 def make_backend(scale: float, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
     """The native CPU backend where its kernels build, else the torch reference."""
     from engine import kernels
-    mod = kernels.native() if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) else None
+    from engine.layers import FAST_DTYPES
+    mod = kernels.native() if device.type == "cpu" and dtype in FAST_DTYPES else None
     return NativeCPUAttention(scale, mod) if mod is not None else TorchAttention(scale)

@@ -44,6 +44,15 @@ class ForwardBatch:
     cos: torch.Tensor | None = None  # [T, head_dim], set by the model from `positions`
     sin: torch.Tensor | None = None
 
+    def mask_3d(self) -> torch.Tensor:
+        """The mask as the native kernels take it: [B, Q, L], or empty for 'every key'."""
+        if self.attn_mask is None:
+            return _NO_MASK
+        return self.attn_mask.view(self.num_seqs, self.max_query_len, self.max_kv_len)
+
+
+_NO_MASK = torch.empty(0, dtype=torch.bool)
+
 
 def build_forward_batch(spans: list[SeqSpan], block_size: int, device: torch.device) -> ForwardBatch:
     n_new = [len(s.token_ids) for s in spans]

@@ -33,11 +33,8 @@ class BlockTable:
         """Blocks required to hold `num_tokens` tokens in total."""
         return -(-num_tokens // self.block_size)
 
-    def slot(self, position: int) -> int:
-        """Cache slot of the token stored at `position` (0-based storage index)."""
-        return self.blocks[position // self.block_size] * self.block_size + position % self.block_size
-
     def slots(self, start: int, stop: int) -> list[int]:
+        """Cache slots of storage positions [start, stop) (the engine computes the same map)."""
         bs = self.block_size
         return [self.blocks[p // bs] * bs + p % bs for p in range(start, stop)]
 

@@ -120,7 +120,7 @@ class Scheduler:
         for seq in seqs:
             result = by_id[seq.seq_id]
             self.allocator.commit(seq.table, seq.num_uncomputed + result.num_accepted)
-            seq.record_spec(result)
+            seq.spec.add(result)
             for i, token in enumerate(result.token_ids):
                 seq.output_token_ids.append(token)
                 if result.logprobs is not None:

@@ -86,9 +86,6 @@ class Sequence:
             return self.output_token_ids[start - n_prompt:stop - n_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[:stop - n_prompt]
 
-    def record_spec(self, result: SeqResult) -> None:
-        self.spec.add(result)
-
     def finish(self, reason: FinishReason, stop_reason: int | str | None = None) -> None:
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason

@@ -19,9 +19,6 @@ from engine.layers import FAST_DTYPES, SKINNY_MAX_ROWS, Linear, RMSNorm, RotaryE
 from engine.model_config import ModelConfig
 
 
-_NO_MASK = torch.empty(0, dtype=torch.bool)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -131,8 +128,6 @@ class LlamaForCausalLM(nn.Module):
         """The whole stack in one native call (decode-sized batches on the CPU)."""
         h = self.model.embed_tokens(batch.input_ids)
         rot = self.model.rotary
-        mask = _NO_MASK if batch.attn_mask is None else batch.attn_mask.view(
-            batch.num_seqs, batch.max_query_len, batch.max_kv_len)
         return self._stack.forward(h, kv.data, batch.slot_mapping, batch.kv_gather.view(batch.num_seqs, -1),
-                                   batch.kv_lens, batch.q_seq, batch.q_row, mask,
+                                   batch.kv_lens, batch.q_seq, batch.q_row, batch.mask_3d(),
                                    rot.cos_table[batch.positions], rot.sin_table[batch.positions])

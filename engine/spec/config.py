@@ -65,8 +65,6 @@ class SpecConfig:
             return 0
         if self.method == "eagle1":
             return max(len(p) for p in self.static_tree)
-        if self.method == "ngram":
-            return min(self.depth, self.total_tokens - 1)
         return min(self.depth, self.total_tokens - 1)
 
     @property

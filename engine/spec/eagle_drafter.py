@@ -56,7 +56,9 @@ class EagleDrafter(Drafter):
         self.rotary = target.model.rotary if cfg.rope_theta == target.config.rope_theta else _rotary(cfg)
         self.states: dict[int, HeadState] = {}
         self.static = spec.method == "eagle1"
+        # static: child ranks under every rank path (() = the root); width = ranks the LM head must rank
         self._children = _static_children(spec.static_tree) if self.static else {}
+        self.width = 1 + max(max(p) for p in spec.static_tree) if self.static else spec.top_k
 
     def observe(self, step, tokens, features, reset):
         state = self.states.setdefault(step.seq_id, HeadState())
@@ -100,13 +102,11 @@ class EagleDrafter(Drafter):
         for st in states:
             st.draft_len += len(st.tokens)
             st.tokens, st.features = [], []
-        width = max(self.spec.top_k, 1 + max((p[0] for p in self.spec.static_tree), default=0)) \
-            if self.static else self.spec.top_k
-        top = self.target.compute_logits(last).log_softmax(-1).topk(width)
+        top = self.target.compute_logits(last).log_softmax(-1).topk(self.width)
         values, indices = top.values.tolist(), top.indices.tolist()
+        ranks = self._children[()] if self.static else list(range(self.width))
         growths = []
         for b, d in enumerate(max_depths):
-            ranks = [r for (r,) in (p for p in self.spec.static_tree if len(p) == 1)] if self.static else range(width)
             cands = Candidates([indices[b][r] for r in ranks], [-1] * len(ranks), [values[b][r] for r in ranks])
             g = Growth(cands, [1] * len(ranks), [], last[b:b + 1], max_depth=d)
             g.static_paths = {c: (r,) for c, r in enumerate(ranks)} if self.static else {}
@@ -126,8 +126,7 @@ class EagleDrafter(Drafter):
                                  tree_mask=self._mask(g), num_masked_cached=n_prev))
             feats.append(g.frontier_feats)
         hidden = self._head_forward(spans, torch.cat(feats))
-        width = self.spec.top_k if not self.static else 1 + max(max(p) for p in self.spec.static_tree)
-        top = self.target.compute_logits(hidden).log_softmax(-1).topk(width)
+        top = self.target.compute_logits(hidden).log_softmax(-1).topk(self.width)
         values, indices = top.values.tolist(), top.indices.tolist()
         row = 0
         for g in growths:
@@ -136,7 +135,7 @@ class EagleDrafter(Drafter):
             row += len(expanded)
             g.scratch.extend(expanded)
             for c, r in zip(expanded, rows):
-                for rank in self._ranks(g, c, width):
+                for rank in self._ranks(g, c):
                     new.append(len(g.cands.tokens))
                     g.cands.tokens.append(indices[r][rank])
                     g.cands.parents.append(c)
@@ -148,10 +147,10 @@ class EagleDrafter(Drafter):
             parent_rows = torch.tensor([rows[expanded.index(g.cands.parents[c])] for c in nxt], dtype=torch.long)
             g.frontier, g.frontier_feats = nxt, hidden[parent_rows.to(self.device)]
 
-    def _ranks(self, g: Growth, cand: int, width: int) -> list[int]:
+    def _ranks(self, g: Growth, cand: int) -> list[int]:
         if self.static:
             return self._children.get(g.static_paths[cand], [])
-        return list(range(width))
+        return list(range(self.width))
 
     def _next_frontier(self, g: Growth, new: list[int]) -> list[int]:
         """EAGLE-2: the top_k new candidates by cumulative score; EAGLE-1: those with children."""
@@ -187,8 +186,7 @@ class EagleDrafter(Drafter):
 def _static_children(paths) -> dict[tuple[int, ...], list[int]]:
     children: dict[tuple[int, ...], list[int]] = {}
     for p in sorted(set(map(tuple, paths)), key=lambda p: (len(p), p)):
-        if len(p) > 1:
-            children.setdefault(p[:-1], []).append(p[-1])
+        children.setdefault(p[:-1], []).append(p[-1])
     return children
 
 
