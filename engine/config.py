@@ -20,6 +20,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own, capped to what the cache holds
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192
+    max_prefill_chunk: int = 512  # prompt tokens one sequence feeds per step (chunked prefill)
+    enable_prefix_caching: bool = True
+    tree_budget: bool = True  # size each round's trees by the load-aware budget (speculation only)
     skip_tokenizer: bool = False
     draft: str | None = None  # EAGLE head directory
     spec: SpecConfig = field(default_factory=SpecConfig)
@@ -37,6 +40,6 @@ class EngineConfig:
             raise ValueError("kv_cache_memory_fraction must be in (0, 0.95]")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")

@@ -142,6 +142,12 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         chosen, logprobs = sample(logits, sample_rows, self.loaded.eos_token_ids)
         t2 = time.perf_counter()
+        if self.drafter.needs_features:  # prefill chunks that sample nothing still feed the head
+            for i, s in enumerate(steps):
+                if not s.sample:
+                    first = offsets[i]
+                    nxt = s.history[s.num_cached + len(s.token_ids)]
+                    self.drafter.observe(s, s.token_ids[1:] + [nxt], hidden[first:offsets[i + 1]], reset=s.restart)
         results, k = [], 0
         for i in sampled:
             n = len(trees[i])
@@ -152,7 +158,8 @@ class ModelRunner:
 
     def _draft(self, steps: list[SeqStep]) -> list[DraftTree]:
         trees = [root_only(s.token_ids[-1]) for s in steps]
-        depths = [min(self.spec.max_depth, s.max_new_tokens - 1) for s in steps]
+        depths = [min(self.spec.max_depth, s.max_new_tokens - 1,
+                      self.spec.max_depth if s.tree_tokens is None else s.tree_tokens - 1) for s in steps]
         decoding = [i for i, s in enumerate(steps) if len(s.token_ids) == 1 and s.num_cached > 0 and depths[i] > 0]
         if decoding:
             proposed = self.drafter.propose([steps[i] for i in decoding], [depths[i] for i in decoding])
@@ -182,10 +189,11 @@ class ModelRunner:
             else:
                 feats = hidden[torch.tensor([root_row + n for n in path], device=self.device)]
                 tokens = verdict.tokens
-            self.drafter.observe(step, tokens, feats, reset=step.num_cached == 0)
+            self.drafter.observe(step, tokens, feats, reset=step.restart)
         lps = [logprobs[n] for n in path] if step.params.logprobs is not None else None
         return SeqResult(step.seq_id, verdict.tokens, lps, num_draft_tokens=len(tree) - 1,
-                         accepted_per_depth=(1,) * len(verdict.accepted_nodes))
+                         accepted_per_depth=(1,) * len(verdict.accepted_nodes),
+                         draft_confidence=self.drafter.confidence(step.seq_id) if len(tree) > 1 else ())
 
     def _compact(self, block_table: list[int], root_pos: int, nodes: list[int]) -> None:
         """Move accepted nodes' KV from their scratch positions to root_pos + 1, + 2, ..."""

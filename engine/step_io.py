@@ -29,6 +29,8 @@ class SeqStep:
     sample: bool = True  # False for a prefill chunk that does not reach the prompt's end
     max_new_tokens: int = 1  # most tokens this step may emit (bounds the draft depth)
     prompt_token_ids: list[int] = field(default_factory=list)  # shared, not copied (n-gram lookup)
+    tree_tokens: int | None = None  # most tokens to verify this round, root included; None: the configured tree
+    restart: bool = True  # the sequence's first step since admission: engine-side state starts over
 
     @property
     def history(self) -> list[int]:
@@ -57,6 +59,9 @@ class SeqResult:
     logprobs: list[TokenLogprobs] | None = None  # one per token when requested
     num_draft_tokens: int = 0  # tokens the target verified besides the root (0: plain step)
     accepted_per_depth: tuple[int, ...] = ()  # 1 per accepted depth, for stats
+    # the draft's confidence in this round's tree: estimated probability that the target accepts
+    # each drafted node's whole path, best first (EAGLE: exp of the cumulative draft log-prob)
+    draft_confidence: tuple[float, ...] = ()
 
     @property
     def num_accepted(self) -> int:

@@ -7,9 +7,16 @@ A round may add several tokens at once (a speculative tree), so the API is reser
 roll back: `reserve(table, n)` makes room for `n` tokens past the committed length,
 `commit(table, n)` keeps the first `n` of them, and any block no longer needed is returned to the
 pool at once.
+
+Prefix caching (optional): a full, committed block is registered under a hash of its tokens and
+of every token before it (`block_hashes`). A new sequence whose leading blocks hash the same
+takes them by reference instead of recomputing them. A block nobody holds any more keeps its KV
+and its hash, on an LRU list; it is reused from there, or evicted (its hash forgotten) when the
+free list is empty.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 
@@ -24,6 +31,7 @@ class BlockTable:
     block_size: int
     blocks: list[int] = field(default_factory=list)
     num_committed: int = 0  # tokens whose KV is final
+    num_registered: int = 0  # leading blocks registered in (or taken from) the prefix cache
 
     @property
     def capacity(self) -> int:
@@ -39,20 +47,76 @@ class BlockTable:
         return [self.blocks[p // bs] * bs + p % bs for p in range(start, stop)]
 
 
+def block_hashes(tokens: list[int], block_size: int, parent: int | None = None) -> list[int]:
+    """Hash of every full block of `tokens`, each chained to all tokens before it."""
+    out, h = [], parent
+    for i in range(len(tokens) // block_size):
+        h = hash((h, tuple(tokens[i * block_size:(i + 1) * block_size])))
+        out.append(h)
+    return out
+
+
 class BlockAllocator:
     """Free list plus reference counts over `num_blocks` blocks of `block_size` tokens."""
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"need positive num_blocks and block_size, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0 first
         self._refcount = [0] * num_blocks
+        self._by_hash: dict[int, int] = {}
+        self._hash_of: dict[int, int] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # unheld cached blocks, LRU first
+        self.prefix_queried_tokens = 0  # tokens looked up in the prefix cache
+        self.prefix_hit_tokens = 0  # of those, found (KV reused, not recomputed)
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks a reservation can take: free ones and unheld cached ones."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    def match_prefix(self, table: BlockTable, hashes: list[int]) -> int:
+        """Take the longest run of cached blocks matching `hashes` into an empty table; returns
+        the number of tokens now committed from the cache."""
+        if table.blocks:
+            raise ValueError("match_prefix needs an empty block table")
+        self.prefix_queried_tokens += len(hashes) * self.block_size
+        if not self.enable_prefix_caching:
+            return 0
+        for h in hashes:
+            block = self._by_hash.get(h)
+            if block is None:
+                break
+            if self._refcount[block] == 0:
+                del self._evictable[block]
+            self._refcount[block] += 1
+            table.blocks.append(block)
+        table.num_committed = table.num_registered = len(table.blocks)
+        table.num_committed *= self.block_size
+        self.prefix_hit_tokens += table.num_committed
+        return table.num_committed
+
+    def cached(self, h: int) -> bool:
+        return h in self._by_hash
+
+    def register(self, table: BlockTable, hashes: list[int]) -> None:
+        """Publish the table's full committed blocks (hashes[i] belongs to block i)."""
+        if not self.enable_prefix_caching:
+            return
+        full = min(table.num_committed // self.block_size, len(hashes), len(table.blocks))
+        for i in range(table.num_registered, full):
+            block, h = table.blocks[i], hashes[i]
+            if h not in self._by_hash and block not in self._hash_of:
+                self._by_hash[h] = block
+                self._hash_of[block] = h
+        table.num_registered = max(table.num_registered, full)
 
     def refcount(self, block_id: int) -> int:
         return self._refcount[block_id]
@@ -62,15 +126,15 @@ class BlockAllocator:
 
     def can_reserve(self, table: BlockTable, num_tokens: int) -> bool:
         extra = table.blocks_needed(table.num_committed + num_tokens) - len(table.blocks)
-        return extra <= len(self._free)
+        return extra <= self.num_free_blocks
 
     def reserve(self, table: BlockTable, num_tokens: int) -> None:
         """Make room for `num_tokens` tokens past the committed length (all or nothing)."""
         if num_tokens < 0:
             raise ValueError("num_tokens must be >= 0")
         extra = table.blocks_needed(table.num_committed + num_tokens) - len(table.blocks)
-        if extra > len(self._free):
-            raise OutOfBlocks(f"need {extra} blocks, {len(self._free)} free")
+        if extra > self.num_free_blocks:
+            raise OutOfBlocks(f"need {extra} blocks, {self.num_free_blocks} free")
         for _ in range(extra):
             table.blocks.append(self._take())
 
@@ -92,7 +156,7 @@ class BlockAllocator:
         for block_id in reversed(table.blocks):
             self._release(block_id)
         table.blocks.clear()
-        table.num_committed = 0
+        table.num_committed = table.num_registered = 0
 
     def _trim(self, table: BlockTable) -> None:
         keep = table.blocks_needed(table.num_committed)
@@ -100,7 +164,11 @@ class BlockAllocator:
             self._release(table.blocks.pop())
 
     def _take(self) -> int:
-        block_id = self._free.pop()
+        if self._free:
+            block_id = self._free.pop()
+        else:  # evict the least recently released cached block
+            block_id, _ = self._evictable.popitem(last=False)
+            del self._by_hash[self._hash_of.pop(block_id)]
         assert self._refcount[block_id] == 0, f"block {block_id} handed out twice"
         self._refcount[block_id] = 1
         return block_id
@@ -116,4 +184,7 @@ class BlockAllocator:
             raise ValueError(f"block {block_id} freed twice")
         self._refcount[block_id] -= 1
         if self._refcount[block_id] == 0:
-            self._free.append(block_id)
+            if block_id in self._hash_of:
+                self._evictable[block_id] = None
+            else:
+                self._free.append(block_id)

@@ -5,6 +5,7 @@ passed in as an `Executor` so this module never imports torch.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import time
@@ -32,13 +33,21 @@ class PromptTooLong(ValueError):
     pass
 
 
+@dataclasses.dataclass
+class _SeqError(Exception):
+    seq_id: int
+    error: BaseException
+
+
 class EngineLoop:
     def __init__(self, executor: Executor, tokenizer: Tokenizer | None, allocator: BlockAllocator,
                  config: SchedulerConfig, eos_token_ids: frozenset[int], vocab_size: int,
-                 spec_tokens: int = 1, spec_slots: int = 0):
+                 spec_tokens: int = 1, spec_slots: int = 0, budget=None):
         self.executor = executor
         self.tokenizer = tokenizer
-        self.scheduler = Scheduler(config, allocator, eos_token_ids, spec_tokens, spec_slots)
+        self.scheduler = Scheduler(config, allocator, eos_token_ids, spec_tokens, spec_slots, budget)
+        self.num_steps = 0
+        self.last_step_time: float | None = None
         self.vocab_size = vocab_size
         self._ids = itertools.count()
         self._text: dict[int, SeqTextState] = {}
@@ -84,15 +93,60 @@ class EngineLoop:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return an output for every sequence that changed."""
-        seqs = self.scheduler.schedule()
+        seqs, steps = self.plan()
         if not seqs:
             return []
-        results = self.executor.execute(self.scheduler.steps(seqs))
+        return self.complete(seqs, self.execute(seqs, steps))
+
+    def plan(self) -> tuple[list[Sequence], list[SeqStep]]:
+        """Schedule the next step (admission, block reservations, tree budgets)."""
+        seqs = self.scheduler.schedule()
+        return seqs, self.scheduler.steps(seqs)
+
+    def execute(self, seqs: list[Sequence], steps: list[SeqStep]) -> list[SeqResult | BaseException]:
+        """The engine step (the only part that runs the model; the async engine runs it in a
+        worker thread). If the batch raises, each sequence is retried alone with fresh engine
+        state, so an error fails only the sequence that causes it."""
+        try:
+            return self.executor.execute(steps)
+        except Exception as batch_error:  # noqa: BLE001 - isolate, then report per sequence
+            if len(steps) == 1:
+                return [batch_error]
+            out: list[SeqResult | BaseException] = []
+            for step in steps:
+                self.executor.release(step.seq_id)
+                try:
+                    out.extend(self.executor.execute([dataclasses.replace(step, restart=True)]))
+                except Exception as e:  # noqa: BLE001
+                    out.append(_SeqError(step.seq_id, e))
+            return out
+
+    def complete(self, seqs: list[Sequence], results: list) -> list[RequestOutput]:
+        """Apply a step's results: commit KV, append tokens, detokenize, finish what is done."""
         now = time.perf_counter()
-        for seq in seqs:
-            seq.first_token_time = seq.first_token_time or now
-        self.scheduler.update(seqs, results)
-        return [self._output(seq) for seq in seqs]
+        ok, failed = [], {}
+        if len(results) == 1 and isinstance(results[0], BaseException) and not isinstance(results[0], _SeqError):
+            failed = {seqs[0].seq_id: results[0]}
+            results = []
+        for r in results:
+            if isinstance(r, _SeqError):
+                failed[r.seq_id] = r.error
+            else:
+                ok.append(r)
+        good = [s for s in seqs if s.seq_id not in failed]
+        bad = [s for s in seqs if s.seq_id in failed]
+        self.scheduler.fail(bad)
+        for seq in bad:
+            seq.error = f"{type(failed[seq.seq_id]).__name__}: {failed[seq.seq_id]}"
+            self.scheduler.finish(seq, FinishReason.ERROR)
+        sampled = {r.seq_id for r in ok}
+        for seq in good:
+            if seq.seq_id in sampled:
+                seq.first_token_time = seq.first_token_time or now
+        self.scheduler.update(good, ok)
+        self.num_steps += 1
+        self.last_step_time = now
+        return [self._output(seq) for seq in seqs if seq.seq_id in sampled or seq.is_finished]
 
     def _output(self, seq: Sequence) -> RequestOutput:
         state = self._text[seq.seq_id]

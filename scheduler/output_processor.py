@@ -25,6 +25,7 @@ class RequestOutput:
     first_token_time: float | None
     finish_time: float | None
     spec: SpecStats
+    error: str | None = None
 
 
 class SeqTextState:
@@ -81,4 +82,5 @@ def make_output(seq: Sequence, state: SeqTextState | None, delta: str) -> Reques
         logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
         arrival_time=seq.arrival_time, first_token_time=seq.first_token_time, finish_time=seq.finish_time,
         spec=SpecStats(seq.spec.verify_steps, seq.spec.draft_tokens, seq.spec.accepted_tokens,
-                       list(seq.spec.accepted_per_depth)))
+                       list(seq.spec.accepted_per_depth)),
+        error=seq.error)

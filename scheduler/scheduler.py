@@ -1,9 +1,14 @@
-"""The minimal synchronous scheduler: admit, reserve blocks, preempt, apply results.
+"""The scheduler: admission, chunked prefill, prefix reuse, preemption, tree budgets, results.
 
-Each step every running sequence feeds its uncomputed tokens (the whole prompt on admission,
-then one token per step) and gets one sampled token back. When blocks run out, the newest
-running sequence is preempted: its blocks are freed and it is recomputed later from its prompt
-and outputs (its seeded noise is keyed by output position, so the result is unchanged).
+Each step: every running sequence feeds its uncomputed tokens - a prefill chunk of at most
+`max_prefill_chunk` tokens (so running decodes never wait behind a long prompt), or its one
+new token - then waiting sequences are admitted FCFS while the running-sequence limit, the
+batched-token budget and the free KV blocks allow. An admitted sequence first takes the longest
+run of its full blocks found in the prefix cache. When blocks run out, the newest running
+sequence is preempted: its blocks are freed and it is recomputed later from its prompt and
+outputs (its seeded noise is keyed by output position, so the result is unchanged; its own
+blocks usually come back from the prefix cache). Then the tree-budget policy gives every
+decoding sequence its number of tokens to verify this round (1 = no speculation).
 """
 from __future__ import annotations
 
@@ -20,26 +25,30 @@ class SchedulerConfig:
     max_model_len: int
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192
+    max_prefill_chunk: int = 512  # prompt tokens one sequence feeds per step
 
     def __post_init__(self):
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, eos_token_ids: frozenset[int],
-                 spec_tokens: int = 1, spec_slots: int = 0):
+                 spec_tokens: int = 1, spec_slots: int = 0, budget=None):
         """spec_tokens: most tokens one round may emit (draft depth + 1; 1 = no speculation);
-        spec_slots: scratch slots a round needs past the committed length (tree + draft)."""
+        spec_slots: scratch slots a round needs past the committed length (tree + draft);
+        budget: a `TreeBudget` choosing each round's tree sizes (None: always the full tree)."""
         self.config = config
         self.spec_tokens = spec_tokens
         self.spec_slots = spec_slots
+        self.budget = budget
         self.allocator = allocator
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0  # total, for metrics and tests
+        self.last_tree_tokens: list[int] = []  # the budget's choice in the latest step, per decoding sequence
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -49,47 +58,87 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[Sequence]:
-        """Pick this step's sequences and reserve KV room for their new tokens."""
-        scheduled = self._schedule_running()
-        budget = self.config.max_num_batched_tokens - len(scheduled)
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
+        """Pick this step's sequences, reserve KV room for their tokens, choose tree sizes."""
+        budget = self.config.max_num_batched_tokens
+        scheduled = self._schedule_running(budget)
+        budget -= sum(s.num_scheduled for s in scheduled)
+        inflight = {h for s in scheduled if s.num_uncomputed > 1 for h in self._new_hashes(s)}
+        while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
             seq = self.waiting[0]
-            n = seq.num_uncomputed
-            if (n > budget and scheduled) or not self.allocator.can_reserve(seq.table, n):
+            if seq.table.num_committed == 0 and not seq.table.blocks:
+                hashes = seq.block_hashes(self.allocator.block_size, seq.num_tokens - 1)
+                nxt = len([h for h in hashes if self.allocator.cached(h)])
+                if nxt < len(hashes) and hashes[nxt] in inflight and scheduled:
+                    break  # its next block is being computed now: take it from the cache next step
+                self.allocator.match_prefix(seq.table, hashes)
+            n = min(seq.num_uncomputed, self.config.max_prefill_chunk, budget)
+            if not self.allocator.can_reserve(seq.table, n):
+                if not scheduled and not self.running:
+                    self.allocator.free(seq.table)
+                    raise RuntimeError(f"KV cache too small: sequence {seq.seq_id} needs {n} tokens, "
+                                       f"{self.allocator.num_free_blocks} free blocks of {self.allocator.block_size}")
+                self.allocator.free(seq.table)  # drop the prefix hold; it is taken again when admitted
                 break
             self.waiting.popleft()
             self.allocator.reserve(seq.table, n)
             seq.status = SequenceStatus.RUNNING
+            seq.num_scheduled, seq.tree_tokens, seq.restart = n, None, True
             self.running.append(seq)
             scheduled.append(seq)
+            inflight.update(self._new_hashes(seq))
             budget -= n
-        if not scheduled and self.waiting:
-            seq = self.waiting[0]
-            raise RuntimeError(f"KV cache too small: sequence {seq.seq_id} needs {seq.num_uncomputed} "
-                               f"tokens, {self.allocator.num_free_blocks} free blocks of "
-                               f"{self.allocator.block_size}")
+        self._choose_trees(scheduled)
         return scheduled
 
-    def _schedule_running(self) -> list[Sequence]:
+    def _new_hashes(self, seq: Sequence) -> list[int]:
+        bs = self.allocator.block_size
+        start = seq.table.num_committed // bs
+        return seq.block_hashes(bs, seq.table.num_committed + seq.num_scheduled)[start:]
+
+    def _schedule_running(self, budget: int) -> list[Sequence]:
         scheduled: list[Sequence] = []
         for seq in list(self.running):
             if seq not in self.running:  # preempted below to make room for an older one
                 continue
-            while not self.allocator.can_reserve(seq.table, self._slots(seq)):
+            if seq.num_uncomputed > 1:  # a prompt still prefilling, chunk by chunk
+                n = min(seq.num_uncomputed, self.config.max_prefill_chunk, max(budget, 0))
+                if n == 0:
+                    continue
+                slots = n
+            else:
+                n, slots = 1, self._slots(seq)
+            while not self.allocator.can_reserve(seq.table, slots):
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is seq:
                     break
             if seq in self.running:
-                self.allocator.reserve(seq.table, self._slots(seq))
+                self.allocator.reserve(seq.table, slots)
+                seq.num_scheduled, seq.tree_tokens, seq.restart = n, None, False
                 scheduled.append(seq)
+                budget -= n
         return scheduled
 
     def _slots(self, seq: Sequence) -> int:
-        """Slots past the committed length this step may write: the uncomputed tokens, or a
-        speculative round's scratch (never past the context)."""
+        """Slots past the committed length a decode step may write: a speculative round's
+        scratch (never past the context)."""
         room = self.config.max_model_len - seq.table.num_committed
-        return min(max(seq.num_uncomputed, self.spec_slots), room)
+        return max(1, min(self.spec_slots, room))
+
+    def _choose_trees(self, scheduled: list[Sequence]) -> None:
+        decoding = [s for s in scheduled if s.num_scheduled == 1 and s.table.num_committed > 0]
+        self.last_tree_tokens = []
+        if self.spec_tokens <= 1 or not decoding:
+            return
+        caps = [self.max_new_tokens(s) for s in decoding]
+        prefill = sum(s.num_scheduled for s in scheduled) - len(decoding)
+        if self.budget is None:
+            sizes = [None] * len(decoding)
+        else:
+            sizes = self.budget.choose([s.draft_confidence for s in decoding], caps, prefill)
+        for s, size in zip(decoding, sizes):
+            s.tree_tokens = size  # None: the engine's configured tree
+        self.last_tree_tokens = [s.tree_tokens for s in decoding]
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -101,11 +150,16 @@ class Scheduler:
 
     def steps(self, seqs: list[Sequence]) -> list[SeqStep]:
         """The engine's view of the scheduled sequences."""
-        return [SeqStep(seq_id=s.seq_id, token_ids=s.token_ids(s.table.num_committed, s.num_tokens),
-                        num_cached=s.table.num_committed, block_table=list(s.table.blocks),
-                        params=s.params, seed=s.seed, output_token_ids=list(s.output_token_ids),
-                        max_new_tokens=self.max_new_tokens(s), prompt_token_ids=s.prompt_token_ids)
-                for s in seqs]
+        out = []
+        for s in seqs:
+            start = s.table.num_committed
+            out.append(SeqStep(seq_id=s.seq_id, token_ids=s.token_ids(start, start + s.num_scheduled),
+                               num_cached=start, block_table=list(s.table.blocks), params=s.params, seed=s.seed,
+                               output_token_ids=list(s.output_token_ids),
+                               sample=start + s.num_scheduled == s.num_tokens,
+                               max_new_tokens=self.max_new_tokens(s), prompt_token_ids=s.prompt_token_ids,
+                               tree_tokens=s.tree_tokens, restart=s.restart))
+        return out
 
     def max_new_tokens(self, seq: Sequence) -> int:
         """Tokens a step may emit without passing max_tokens or the context (>= 1)."""
@@ -117,29 +171,51 @@ class Scheduler:
         """Commit the fed tokens and the accepted drafts, append the emitted tokens one by one
         (a burst stops at the first finishing token), finish what is done."""
         by_id = {r.seq_id: r for r in results}
+        bs = self.allocator.block_size
         for seq in seqs:
-            result = by_id[seq.seq_id]
-            self.allocator.commit(seq.table, seq.num_uncomputed + result.num_accepted)
-            seq.spec.add(result)
-            for i, token in enumerate(result.token_ids):
-                seq.output_token_ids.append(token)
-                if result.logprobs is not None:
-                    seq.output_logprobs.append(result.logprobs[i])
-                self._check_finished(seq, token)
-                if seq.is_finished:
-                    break
+            if seq.is_finished:
+                continue
+            result = by_id.get(seq.seq_id)
+            accepted = result.num_accepted if result is not None else 0
+            self.allocator.commit(seq.table, seq.num_scheduled + accepted)
+            seq.num_scheduled = 0
+            done = None
+            if result is not None:
+                seq.spec.add(result)
+                if self.budget is not None and result.num_draft_tokens:
+                    self.budget.observe(result.draft_confidence, result.num_draft_tokens + 1, result.num_accepted)
+                seq.draft_confidence = result.draft_confidence
+                for i, token in enumerate(result.token_ids):
+                    seq.output_token_ids.append(token)
+                    if result.logprobs is not None:
+                        seq.output_logprobs.append(result.logprobs[i])
+                    done = self._finish_reason(seq, token)
+                    if done is not None:
+                        break
+            # publish full blocks before a finish frees them: a later request may share them
+            self.allocator.register(seq.table, seq.block_hashes(bs, seq.table.num_committed))
+            if done is not None:
+                self.finish(seq, *done)
 
-    def _check_finished(self, seq: Sequence, token: int) -> None:
+    def fail(self, seqs: list[Sequence]) -> None:
+        """A step that raised: nothing it wrote is kept (the reserved slots are rolled back)."""
+        for seq in seqs:
+            seq.num_scheduled = 0
+            if seq.table.blocks:
+                self.allocator.rollback(seq.table)
+
+    def _finish_reason(self, seq: Sequence, token: int):
         p = seq.params
         if token in p.stop_token_ids:
-            self.finish(seq, FinishReason.STOP, token)
-        elif token in self.eos_token_ids and not p.ignore_eos:
-            self.finish(seq, FinishReason.STOP)
-        elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
-            self.finish(seq, FinishReason.LENGTH)
+            return FinishReason.STOP, token
+        if token in self.eos_token_ids and not p.ignore_eos:
+            return FinishReason.STOP, None
+        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH, None
+        return None
 
     def finish(self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None) -> None:
-        """End a sequence (also used for stop strings and aborts) and free its blocks now."""
+        """End a sequence (also used for stop strings, aborts, errors) and free its blocks now."""
         if seq.is_finished:
             return
         if seq in self.running:

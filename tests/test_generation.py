@@ -88,7 +88,7 @@ def test_cli_generate_with_ngram_spec_reports_stats(tiny_llama, capsys):
             "--prompt", "the quick brown fox the quick brown fox the quick", "--max-tokens", "24", "--ignore-eos", "--json"]
     assert main(args) == 0
     plain = json.loads(capsys.readouterr().out)
-    assert main(args + ["--spec", "ngram", "--total-tokens", "5"]) == 0
+    assert main(args + ["--spec", "ngram", "--total-tokens", "5", "--fixed-tree"]) == 0
     spec = json.loads(capsys.readouterr().out)
     assert spec["token_ids"] == plain["token_ids"]
     s = spec["spec"]

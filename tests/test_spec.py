@@ -14,7 +14,7 @@ from engine.spec.tree import Candidates, build_tree, chain, from_paths, select_b
 from server.llm import LLM
 from tests.spec_helpers import OracleDrafter, write_eagle_head
 
-KW = dict(dtype="float64", device="cpu", kv_cache_tokens=4096, block_size=4)
+KW = dict(dtype="float64", device="cpu", kv_cache_tokens=4096, block_size=4, tree_budget=False)  # fixed trees
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +86,7 @@ def test_draft_frontier_sees_only_its_ancestors(tiny_llama, head_dir):
     drafter = llm.runner.drafter
     grown = []
     original = drafter._tree
-    drafter._tree = lambda root, g: (grown.append(g), original(root, g))[1]
+    drafter._tree = lambda root, g, total: (grown.append(g), original(root, g, total))[1]
     prompt = prompts(1, seed=4)[0]
     llm.generate(prompt, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     g = grown[0]

@@ -97,7 +97,8 @@ def chi_square_test(samples: list[tuple[int, int]], joint: dict) -> tuple[float,
 def test_engine_speculative_sampling_matches_the_exact_distribution(setup):
     path, head, p = setup
     llm = LLM(path, dtype="float64", device="cpu", kv_cache_tokens=65536, block_size=4, skip_tokenizer=True,
-              max_num_seqs=1000, draft=head, spec=SpecConfig("eagle2", total_tokens=7, depth=3, top_k=2))
+              max_num_seqs=1000, draft=head, spec=SpecConfig("eagle2", total_tokens=7, depth=3, top_k=2),
+              tree_budget=False)
     samples, deep = [], 0
     for start in range(0, N, 1000):
         params = [SamplingParams(max_tokens=4, seed=start + i, ignore_eos=True, **PARAMS) for i in range(1000)]

@@ -28,6 +28,11 @@ class Drafter(abc.ABC):
     def release(self, seq_id: int) -> None:
         pass
 
+    def confidence(self, seq_id: int) -> tuple[float, ...]:
+        """The last proposed tree's node confidences (estimated P(path accepted)), best first;
+        () when the drafter has no such estimate."""
+        return ()
+
 
 class NoDrafter(Drafter):
     """Speculates nothing: every round is a root-only tree, i.e. plain decoding."""

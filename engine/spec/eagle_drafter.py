@@ -8,6 +8,7 @@ overwritten next round: the rollback costs nothing.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +22,8 @@ from engine.spec.drafters import Drafter
 from engine.spec.eagle_head import EagleHead
 from engine.spec.tree import Candidates, DraftTree, build_tree, root_only, select_best
 from engine.step_io import SeqStep
+
+MAX_CONFIDENCE = 64  # node confidences reported per round (the budget's largest tree)
 
 
 @dataclass
@@ -55,20 +58,24 @@ class EagleDrafter(Drafter):
         self.backend = make_backend(cfg.head_dim ** -0.5, device, dtype)
         self.rotary = target.model.rotary if cfg.rope_theta == target.config.rope_theta else _rotary(cfg)
         self.states: dict[int, HeadState] = {}
+        self._confidence: dict[int, tuple[float, ...]] = {}  # seq -> last tree's node confidences
         self.static = spec.method == "eagle1"
         # static: child ranks under every rank path (() = the root); width = ranks the LM head must rank
         self._children = _static_children(spec.static_tree) if self.static else {}
         self.width = 1 + max(max(p) for p in spec.static_tree) if self.static else spec.top_k
 
     def observe(self, step, tokens, features, reset):
-        state = self.states.setdefault(step.seq_id, HeadState())
-        if reset:
-            self.states[step.seq_id] = state = HeadState()
+        state = self.states.get(step.seq_id)
+        if reset or state is None:
+            # pairs before num_cached came with a prefix-cache hit: their draft KV sits in the
+            # shared blocks, written by the sequence that computed them
+            self.states[step.seq_id] = state = HeadState(draft_len=step.num_cached)
         state.tokens.extend(tokens)
         state.features.append(features)
 
     def release(self, seq_id):
         self.states.pop(seq_id, None)
+        self._confidence.pop(seq_id, None)
 
     @torch.inference_mode()
     def propose(self, steps: list[SeqStep], max_depths: list[int]) -> list[DraftTree]:
@@ -83,8 +90,14 @@ class EagleDrafter(Drafter):
             if todo:
                 self._grow([steps[active[j]] for j in todo], [growths[j] for j in todo], depth)
         for j, i in enumerate(active):
-            trees[i] = self._tree(steps[i].token_ids[-1], growths[j])
+            g = growths[j]
+            trees[i] = self._tree(steps[i].token_ids[-1], g, steps[i].tree_tokens)
+            scores = sorted((sc for sc, d in zip(g.cands.scores, g.depths) if d <= g.max_depth), reverse=True)
+            self._confidence[steps[i].seq_id] = tuple(math.exp(sc) for sc in scores[:MAX_CONFIDENCE])
         return trees
+
+    def confidence(self, seq_id: int) -> tuple[float, ...]:
+        return self._confidence.pop(seq_id, ())
 
     def _head_forward(self, spans: list[SeqSpan], feats: torch.Tensor) -> torch.Tensor:
         batch = build_forward_batch(spans, self.block_size, self.device)
@@ -102,8 +115,7 @@ class EagleDrafter(Drafter):
         for st in states:
             st.draft_len += len(st.tokens)
             st.tokens, st.features = [], []
-        top = self.target.compute_logits(last).log_softmax(-1).topk(self.width)
-        values, indices = top.values.tolist(), top.indices.tolist()
+        values, indices = (t.tolist() for t in self.head.draft_topk(last, self.target, self.width))
         ranks = self._children[()] if self.static else list(range(self.width))
         growths = []
         for b, d in enumerate(max_depths):
@@ -126,8 +138,7 @@ class EagleDrafter(Drafter):
                                  tree_mask=self._mask(g), num_masked_cached=n_prev))
             feats.append(g.frontier_feats)
         hidden = self._head_forward(spans, torch.cat(feats))
-        top = self.target.compute_logits(hidden).log_softmax(-1).topk(self.width)
-        values, indices = top.values.tolist(), top.indices.tolist()
+        values, indices = (t.tolist() for t in self.head.draft_topk(hidden, self.target, self.width))
         row = 0
         for g in growths:
             expanded, new = list(g.frontier), []
@@ -171,15 +182,15 @@ class EagleDrafter(Drafter):
             rows.append([k in seen for k in keys])
         return torch.tensor(rows, dtype=torch.bool)
 
-    def _tree(self, root: int, g: Growth) -> DraftTree:
+    def _tree(self, root: int, g: Growth, total: int | None) -> DraftTree:
         cands = g.cands
-        if self.static:
-            keep = [c for c in range(len(cands)) if g.depths[c] <= g.max_depth]
+        ok = [c for c in range(len(cands)) if g.depths[c] <= g.max_depth]
+        if self.static and total is None:
+            keep = ok
         else:
-            ok = [c for c in range(len(cands)) if g.depths[c] <= g.max_depth]
             sub = Candidates([cands.tokens[c] for c in ok], [cands.parents[c] for c in ok],
                              [cands.scores[c] for c in ok])
-            keep = [ok[i] for i in select_best(sub, self.spec.total_tokens - 1)]
+            keep = [ok[i] for i in select_best(sub, (total or self.spec.total_tokens) - 1)]
         return build_tree(root, cands, keep)
 
 

@@ -8,6 +8,9 @@ Published layout: config.json of a one-layer Llama (optional `bias`, default tru
 `fc.weight` [h, 2h] (+ `fc.bias`), `layers.0.self_attn.{q,k,v,o}_proj.weight`,
 `layers.0.mlp.{gate,up,down}_proj.weight`, `layers.0.post_attention_layernorm.weight`, in
 model.safetensors or pytorch_model.bin; a stray `embed_tokens.weight` must equal the target's.
+A reduced draft vocabulary (`draft_vocab_size` K in config.json, `d2t` [K] = the target id of each
+draft index, as `eagle-serve train-draft --draft-vocab K` writes it) makes the draft's LM head
+the K matching rows of the target's: drafting ranks K tokens instead of the whole vocabulary.
 """
 from __future__ import annotations
 
@@ -33,6 +36,22 @@ class EagleHead(nn.Module):
         self.fc = Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=bias)
         self.layer = DecoderLayer(cfg, 0)
         self.layer.input_layernorm = nn.Identity()  # EAGLE's layer 0 has no input norm
+        self.d2t: torch.Tensor | None = None  # [K] target ids of a reduced draft vocabulary
+        self.lm_head: Linear | None = None  # the target's rows for d2t
+
+    def set_draft_vocab(self, d2t: torch.Tensor, target: LlamaForCausalLM) -> None:
+        w = target.lm_head.weight.data
+        self.d2t = d2t.to(device=w.device, dtype=torch.long)
+        self.lm_head = Linear(w.shape[1], len(d2t))
+        self.lm_head.weight.data = w[self.d2t].contiguous()
+
+    def draft_topk(self, hidden: torch.Tensor, target: LlamaForCausalLM, k: int):
+        """(log-probs, target token ids) of the k most likely draft tokens per row."""
+        if self.lm_head is None:
+            top = target.compute_logits(hidden).log_softmax(-1).topk(k)
+            return top.values, top.indices
+        top = self.lm_head(hidden, float_out=True).float().log_softmax(-1).topk(min(k, len(self.d2t)))
+        return top.values, self.d2t[top.indices]
 
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, batch: ForwardBatch,
                 kv: KVCache, backend: AttentionBackend, rotary) -> torch.Tensor:
@@ -71,8 +90,17 @@ def load_eagle_head(path: str, target: LlamaForCausalLM, dtype: torch.dtype) -> 
         raise ModelLoadError(f"draft head {path!r} (hidden {cfg.hidden_size}, vocab {cfg.vocab_size}) does "
                              f"not fit the target (hidden {t.hidden_size}, vocab {t.vocab_size})")
     weights = _read_weights(path)
+    d2t = weights.pop("d2t", None)
     head = EagleHead(cfg, bias="fc.bias" in weights)
     _load(head, weights, target, dtype, path)
+    k = raw.get("draft_vocab_size")
+    if (d2t is None) != (k is None) or (d2t is not None and (d2t.dim() != 1 or len(d2t) != k)):
+        raise ModelLoadError(f"draft head {path!r}: config draft_vocab_size {k} does not match its d2t "
+                             f"tensor ({None if d2t is None else list(d2t.shape)})")
+    if d2t is not None:
+        if int(d2t.min()) < 0 or int(d2t.max()) >= t.vocab_size or len(set(d2t.tolist())) != len(d2t):
+            raise ModelLoadError(f"draft head {path!r}: d2t must hold distinct target ids below {t.vocab_size}")
+        head.set_draft_vocab(d2t, target)
     return head.eval()
 
 

