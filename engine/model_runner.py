@@ -125,6 +125,9 @@ class ModelRunner:
         """One round for every step: draft trees for decoding sequences, one packed target
         forward (prefill chunks and trees together), tree acceptance, KV compaction."""
         t0 = time.perf_counter()
+        for s in steps:
+            if s.restart:  # (re)admitted: whatever the drafter kept from before is stale
+                self.drafter.release(s.seq_id)
         trees = self._draft(steps)
         t1 = time.perf_counter()
         spans = [self._span(s, t) for s, t in zip(steps, trees)]

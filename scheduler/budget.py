@@ -33,8 +33,8 @@ class CostModel:
     def __post_init__(self):
         if not self.verify_points:
             raise ValueError("the cost model needs at least one verify point")
-        self.verify_points = sorted(self.verify_points)
-        self.draft_points = sorted(self.draft_points)
+        self.verify_points = _dedupe(self.verify_points)
+        self.draft_points = _dedupe(self.draft_points)
 
     def verify(self, tokens: int) -> float:
         return _interp(self.verify_points, tokens)
@@ -46,6 +46,14 @@ class CostModel:
 
     def to_json(self) -> dict:
         return {"verify": self.verify_points, "draft": self.draft_points}
+
+
+def _dedupe(points) -> list[tuple[int, float]]:
+    """Sorted by x; a repeated x keeps its largest (most pessimistic) time."""
+    best: dict[int, float] = {}
+    for x, y in points:
+        best[int(x)] = max(float(y), best.get(int(x), float(y)))
+    return sorted(best.items())
 
 
 def _interp(points: list[tuple[int, float]], x: float) -> float:

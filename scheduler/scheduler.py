@@ -72,7 +72,9 @@ class Scheduler:
                     break  # its next block is being computed now: take it from the cache next step
                 self.allocator.match_prefix(seq.table, hashes)
             n = min(seq.num_uncomputed, self.config.max_prefill_chunk, budget)
-            if not self.allocator.can_reserve(seq.table, n):
+            # everything but the last token came from the cache: it decodes (and may speculate)
+            slots = self._slots(seq) if n == 1 and seq.table.num_committed > 0 else n
+            if not self.allocator.can_reserve(seq.table, slots):
                 if not scheduled and not self.running:
                     self.allocator.free(seq.table)
                     raise RuntimeError(f"KV cache too small: sequence {seq.seq_id} needs {n} tokens, "
@@ -80,7 +82,7 @@ class Scheduler:
                 self.allocator.free(seq.table)  # drop the prefix hold; it is taken again when admitted
                 break
             self.waiting.popleft()
-            self.allocator.reserve(seq.table, n)
+            self.allocator.reserve(seq.table, slots)
             seq.status = SequenceStatus.RUNNING
             seq.num_scheduled, seq.tree_tokens, seq.restart = n, None, True
             self.running.append(seq)

@@ -1,0 +1,180 @@
+"""The asyncio front of the engine loop (torch-free): continuous batching for many clients.
+
+One asyncio task runs the loop. Each iteration it applies aborts, plans the step on the event
+loop (admission, block reservations, tree budgets), runs the engine step in a single worker
+thread (`await`ed, so the event loop stays free for streaming and health checks), then applies
+the results (detokenization, stop strings, finish reasons) and pushes every request's output
+to its own async stream. New requests join the running batch between steps; finished ones
+leave it. Only the event-loop thread touches the scheduler; the worker thread only runs the
+model on the immutable steps it is given.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+
+from engine.sampling_params import SamplingParams
+from scheduler.loop import EngineLoop
+from scheduler.output_processor import RequestOutput, make_output
+from scheduler.sequence import FinishReason
+
+
+class EngineDead(RuntimeError):
+    """The engine loop is not running (stopped, or it crashed)."""
+
+
+class AsyncEngine:
+    def __init__(self, loop: EngineLoop, on_step=None):
+        """on_step(seqs, outputs, step_seconds): called on the event loop after every step
+        (metrics)."""
+        self.engine = loop
+        self.on_step = on_step
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="eagle-engine")
+        self._streams: dict[int, asyncio.Queue] = {}
+        self._aborts: set[int] = set()
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._stopping = False
+        self.error: BaseException | None = None  # what killed the loop, if anything
+        self.last_progress = time.monotonic()  # last step end, or last time it had nothing to do
+        self.busy_since: float | None = None  # start of the step in flight
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        if self._task is not None:
+            return
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="eagle-engine-loop")
+
+    async def stop(self) -> None:
+        """Stop the loop: running requests end with finish reason `abort`."""
+        self._stopping = True
+        if self._wake is not None:
+            self._wake.set()
+        if self._task is not None:
+            try:
+                await self._task
+            except Exception:  # noqa: BLE001 - its error is kept in self.error
+                pass
+        self._task = None
+        for seq_id in list(self._streams):
+            self._abort_now(seq_id)
+
+    @property
+    def alive(self) -> bool:
+        return self._task is not None and not self._task.done() and not self._stopping
+
+    def healthy(self, stall_seconds: float = 60.0) -> bool:
+        """Alive and making progress: idle, or the step in flight started < stall_seconds ago."""
+        if not self.alive:
+            return False
+        return self.busy_since is None or time.monotonic() - self.busy_since < stall_seconds
+
+    @property
+    def num_running(self) -> int:
+        return len(self.engine.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.engine.scheduler.waiting)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> tuple[int, asyncio.Queue]:
+        """Validate and queue a request (raises ValueError on bad input); returns its id and
+        output queue. Call from the event loop."""
+        if not self.alive:
+            raise EngineDead(f"the engine loop is not running{': ' + repr(self.error) if self.error else ''}")
+        seq = self.engine.add_request(prompt_token_ids, params)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[seq.seq_id] = queue
+        self._wake.set()
+        return seq.seq_id, queue
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request as they come (the last has `finished`). Closing the iterator
+        early (client gone, timeout) aborts the request."""
+        seq_id, queue = self.add_request(prompt_token_ids, params)
+        finished = False
+        try:
+            while True:
+                out = await queue.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(seq_id)
+
+    def abort(self, seq_id: int) -> None:
+        """Abort at the next iteration (its blocks are freed there)."""
+        if seq_id in self._streams or seq_id in self.engine._seqs:
+            self._aborts.add(seq_id)
+            if self._wake is not None:
+                self._wake.set()
+
+    # ------------------------------------------------------------------ the loop
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while not self._stopping:
+                for seq_id in list(self._aborts):
+                    self._abort_now(seq_id)
+                self._aborts.clear()
+                if not self.engine.has_unfinished:
+                    self.last_progress = time.monotonic()
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                try:
+                    seqs, steps = self.engine.plan()
+                except RuntimeError as e:  # the head of the queue can never fit in the KV cache
+                    self._fail_head(e)
+                    continue
+                if not seqs:
+                    await asyncio.sleep(0.001)
+                    continue
+                self.busy_since = t0 = time.monotonic()
+                results = await loop.run_in_executor(self._pool, self.engine.execute, seqs, steps)
+                self.busy_since = None
+                outputs = self.engine.complete(seqs, results)
+                self.last_progress = time.monotonic()
+                for out in outputs:
+                    q = self._streams.get(out.seq_id)
+                    if q is not None:
+                        q.put_nowait(out)
+                    if out.finished:
+                        self._streams.pop(out.seq_id, None)
+                if self.on_step is not None:
+                    self.on_step(seqs, outputs, self.last_progress - t0)
+                await asyncio.sleep(0)  # let the streams run before the next step
+        except Exception as e:  # noqa: BLE001 - a bug in the loop itself: fail every request
+            self.error = e
+            for seq_id, q in list(self._streams.items()):
+                q.put_nowait(EngineDead(f"engine loop failed: {e!r}"))
+                self._streams.pop(seq_id, None)
+            raise
+        finally:
+            self.busy_since = None
+
+    def _abort_now(self, seq_id: int) -> None:
+        seq, state = self.engine._seqs.get(seq_id), self.engine._text.get(seq_id)
+        self.engine.abort(seq_id)
+        q = self._streams.pop(seq_id, None)
+        if q is not None and seq is not None:
+            q.put_nowait(make_output(seq, state, ""))
+
+    def _fail_head(self, error: Exception) -> None:
+        seq = self.engine.scheduler.waiting[0]
+        seq.error = str(error)
+        self.engine.scheduler.finish(seq, FinishReason.ERROR)
+        self.engine._seqs.pop(seq.seq_id, None)
+        self.engine._text.pop(seq.seq_id, None)
+        q = self._streams.pop(seq.seq_id, None)
+        if q is not None:
+            q.put_nowait(make_output(seq, None, ""))
