@@ -64,14 +64,51 @@ class NativeCPUAttention(TorchAttention):
         self.kernels = kernels
 
     def forward(self, q, k, v, layer, batch, kv):
-        if batch.max_query_len > self.MAX_QUERIES:
+        if batch.max_query_len > self.MAX_QUERIES and batch.num_seqs == 1:
             return super().forward(q, k, v, layer, batch, kv)
         k_cache, v_cache = kv.keys(layer), kv.values(layer)
         k_cache.index_copy_(0, batch.slot_mapping, k)
         v_cache.index_copy_(0, batch.slot_mapping, v)
-        return self.kernels.paged_attention(q.contiguous(), k_cache, v_cache,
-                                            batch.kv_gather.view(batch.num_seqs, batch.max_kv_len),
-                                            batch.kv_lens, batch.q_seq, batch.q_row, batch.mask_3d(), self.scale)
+        gather = batch.kv_gather.view(batch.num_seqs, batch.max_kv_len)
+        if batch.max_query_len <= self.MAX_QUERIES:
+            return self.kernels.paged_attention(q.contiguous(), k_cache, v_cache, gather, batch.kv_lens,
+                                                batch.q_seq, batch.q_row, batch.mask_3d(), self.scale)
+        return self._mixed(q, k_cache, v_cache, gather, batch)
+
+    def _mixed(self, q, k_cache, v_cache, gather, batch):
+        """Prefill chunks batched with decodes: a padded grid would be [B, Q, L] for the
+        longest chunk's Q. Long sequences attend alone (SDPA, no padding); the short ones go
+        through the native kernel together."""
+        T, H, D = q.shape
+        out = q.new_empty(T, H * D)
+        counts = torch.bincount(batch.q_seq, minlength=batch.num_seqs).tolist()
+        starts = [0]
+        for c in counts:
+            starts.append(starts[-1] + c)
+        kv_lens = batch.kv_lens.tolist()
+        mask = batch.mask_3d()
+        small = [b for b, c in enumerate(counts) if c <= self.MAX_QUERIES]
+        for b, c in enumerate(counts):
+            if c <= self.MAX_QUERIES:
+                continue
+            slots = gather[b, :kv_lens[b]]
+            keys = k_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+            values = v_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+            queries = q[starts[b]:starts[b + 1]].transpose(0, 1).unsqueeze(0)  # [1, H, c, D]
+            m = mask[b, :c, :kv_lens[b]].unsqueeze(0).unsqueeze(0) if mask.numel() else None
+            o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=m, scale=self.scale, enable_gqa=True)
+            out[starts[b]:starts[b + 1]] = o[0].transpose(0, 1).reshape(c, H * D)
+        if small:
+            rows = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in small]).to(q.device)
+            idx = torch.tensor(small, device=q.device)
+            q_seq = torch.repeat_interleave(torch.arange(len(small), device=q.device),
+                                            torch.tensor([counts[b] for b in small], device=q.device))
+            qmax = max(counts[b] for b in small)
+            sub_mask = mask[idx, :qmax].contiguous() if mask.numel() else mask
+            out[rows] = self.kernels.paged_attention(q[rows].contiguous(), k_cache, v_cache, gather[idx].contiguous(),
+                                                     batch.kv_lens[idx].contiguous(), q_seq, batch.q_row[rows].contiguous(),
+                                                     sub_mask, self.scale)
+        return out
 
 
 def make_backend(scale: float, device: torch.device, dtype: torch.dtype) -> AttentionBackend:

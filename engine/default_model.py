@@ -17,6 +17,15 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
+HEAD_DIR = os.path.join(os.path.dirname(__file__), "heads", "smollm2-135m-instruct")
+
+
+def default_draft_path() -> str | None:
+    """The EAGLE head shipped for the default model (eagle-serve train-draft; see its card.json),
+    or None where this install has none."""
+    return HEAD_DIR if os.path.exists(os.path.join(HEAD_DIR, "model.safetensors")) else None
+
+
 def cache_dir() -> str:
     root = os.environ.get("EAGLE_SERVE_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "eagle-serve")

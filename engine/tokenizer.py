@@ -59,6 +59,19 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The exact bytes a token stands for (byte-level BPE or SentencePiece byte fallback);
+        a token that is part of a multi-byte character gives just its own bytes."""
+        piece = self.backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        table = _byte_decoder()
+        if all(ch in table for ch in piece):
+            return bytes(table[ch] for ch in piece)
+        if piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6:
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode("utf-8")
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise TemplateError("this model has no chat template; send a plain prompt instead")
@@ -71,6 +84,25 @@ class Tokenizer:
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+
+
+_BYTE_DECODER: dict[str, int] = {}
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's printable-character alphabet for bytes, reversed (char -> byte)."""
+    if not _BYTE_DECODER:
+        keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + \
+            list(range(ord("\xae"), ord("\xff") + 1))
+        chars, extra = {}, 0
+        for b in range(256):
+            if b in keep:
+                chars[b] = chr(b)
+            else:
+                chars[b] = chr(256 + extra)
+                extra += 1
+        _BYTE_DECODER.update({c: b for b, c in chars.items()})
+    return _BYTE_DECODER
 
 
 def _raise(message: str):

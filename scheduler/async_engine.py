@@ -26,11 +26,12 @@ class EngineDead(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, loop: EngineLoop, on_step=None):
-        """on_step(seqs, outputs, step_seconds): called on the event loop after every step
-        (metrics)."""
+    def __init__(self, loop: EngineLoop, on_step=None, on_finish=None):
+        """on_step(seqs, results, outputs, step_seconds): called on the event loop after every
+        step (metrics); results are the engine's SeqResults (or exceptions) of the step."""
         self.engine = loop
         self.on_step = on_step
+        self.on_finish = on_finish  # on_finish(final RequestOutput): every request's end, aborts included
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="eagle-engine")
         self._streams: dict[int, asyncio.Queue] = {}
         self._aborts: set[int] = set()
@@ -150,8 +151,9 @@ class AsyncEngine:
                         q.put_nowait(out)
                     if out.finished:
                         self._streams.pop(out.seq_id, None)
+                        self._finished(out)
                 if self.on_step is not None:
-                    self.on_step(seqs, outputs, self.last_progress - t0)
+                    self.on_step(seqs, results, outputs, self.last_progress - t0)
                 await asyncio.sleep(0)  # let the streams run before the next step
         except Exception as e:  # noqa: BLE001 - a bug in the loop itself: fail every request
             self.error = e
@@ -166,8 +168,11 @@ class AsyncEngine:
         seq, state = self.engine._seqs.get(seq_id), self.engine._text.get(seq_id)
         self.engine.abort(seq_id)
         q = self._streams.pop(seq_id, None)
-        if q is not None and seq is not None:
-            q.put_nowait(make_output(seq, state, ""))
+        if seq is not None:
+            out = make_output(seq, state, "")
+            self._finished(out)
+            if q is not None:
+                q.put_nowait(out)
 
     def _fail_head(self, error: Exception) -> None:
         seq = self.engine.scheduler.waiting[0]
@@ -176,5 +181,11 @@ class AsyncEngine:
         self.engine._seqs.pop(seq.seq_id, None)
         self.engine._text.pop(seq.seq_id, None)
         q = self._streams.pop(seq.seq_id, None)
+        out = make_output(seq, None, "")
+        self._finished(out)
         if q is not None:
-            q.put_nowait(make_output(seq, None, ""))
+            q.put_nowait(out)
+
+    def _finished(self, out: RequestOutput) -> None:
+        if self.on_finish is not None:
+            self.on_finish(out)

@@ -17,7 +17,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-tokens", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--draft", default=None, help="EAGLE draft head directory (eagle2 / eagle1)")
+    p.add_argument("--draft", default=None,
+                   help="EAGLE draft head directory, `none`, or `default` (the embedded model's shipped head, "
+                        "used when --model is not given)")
     p.add_argument("--spec", default=None, choices=METHODS,
                    help="speculative method (default: eagle2 with --draft, else none)")
     p.add_argument("--total-tokens", type=int, default=None, help="tokens verified per round, root included")
@@ -46,6 +48,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
+                       description="Every flag can also be set as EAGLE_SERVE_<FLAG> (e.g. EAGLE_SERVE_PORT=9000).")
+    _add_engine_args(s)
+    s.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model's name)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1/*")
+    s.add_argument("--max-waiting", type=int, default=256, help="queued requests before 503 + Retry-After")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _env_defaults(s)
     t = sub.add_parser("train-draft", help="train an EAGLE draft head for a target model")
     t.add_argument("--model", default="default", help="HF model directory, .gguf file, or `default`")
     t.add_argument("--out", required=True, help="output directory (head, card, cache, checkpoints; resumable)")
@@ -67,6 +79,52 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _env_defaults(parser: argparse.ArgumentParser) -> None:
+    """EAGLE_SERVE_<FLAG> environment variables as defaults (flags on the command line win)."""
+    import os
+    for action in parser._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        value = os.environ.get("EAGLE_SERVE_" + action.dest.upper())
+        if value is None:
+            continue
+        if isinstance(action, argparse._StoreTrueAction):
+            action.default = value.strip().lower() in ("1", "true", "yes", "on")
+        else:
+            action.default = action.type(value) if action.type else value
+
+
+def cmd_serve(args) -> int:
+    import logging
+    import uvicorn
+    from server.app import ServerState, create_app
+    from server.llm import LLM
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    draft = resolve_draft(args)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_cache_tokens=args.kv_cache_tokens,
+              max_model_len=args.max_model_len, block_size=args.block_size, draft=draft,
+              spec=spec_config(args, draft), **engine_kwargs(args))
+    state = ServerState(llm, args.served_model_name, args.api_key, args.max_waiting)
+    print(f"eagle-serve: {state.model_name} (spec {llm.engine_config.spec.method}"
+          f"{', head ' + draft if draft else ''}) on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def resolve_draft(args) -> str | None:
+    """--draft PATH | none | default; unset: the shipped head of the embedded default model."""
+    from engine.default_model import default_draft_path
+    if args.draft == "none":
+        return None
+    if args.draft in (None, "default"):
+        if args.model in (None, "", "default") and args.spec in (None, "eagle2", "eagle1"):
+            return default_draft_path()
+        if args.draft == "default":
+            raise ValueError("--draft default: only the embedded default model has a shipped head")
+        return None
+    return args.draft
+
+
 def cmd_train_draft(args) -> int:
     from engine.train.trainer import TrainConfig, train_draft
     cfg = TrainConfig(model=None if args.model == "default" else args.model, out=args.out, data=args.data,
@@ -86,9 +144,10 @@ def cmd_generate(args) -> int:
     from server.llm import LLM
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.sampling_top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+    draft = resolve_draft(args)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_cache_tokens=args.kv_cache_tokens,
-              max_model_len=args.max_model_len, block_size=args.block_size, draft=args.draft,
-              spec=spec_config(args), **engine_kwargs(args))
+              max_model_len=args.max_model_len, block_size=args.block_size, draft=draft,
+              spec=spec_config(args, draft), **engine_kwargs(args))
     if args.chat:
         prompt = llm.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
     else:
@@ -114,10 +173,11 @@ def engine_kwargs(args) -> dict:
                 max_prefill_chunk=args.max_prefill_chunk)
 
 
-def spec_config(args):
+def spec_config(args, draft: str | None = None):
     """SpecConfig from the flags: given values override the method's defaults."""
     from engine.spec.config import SpecConfig
-    method = args.spec or ("eagle2" if args.draft else "none")
+    draft = draft if draft is not None else (args.draft if args.draft not in ("none", "default") else None)
+    method = args.spec or ("eagle2" if draft else "none")
     kwargs = {k: v for k, v in (("total_tokens", args.total_tokens), ("depth", args.depth),
                                 ("top_k", args.top_k)) if v is not None}
     if args.static_tree:
@@ -141,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_generate(args)
         if args.command == "train-draft":
             return cmd_train_draft(args)
+        if args.command == "serve":
+            return cmd_serve(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"eagle-serve: error: {e}", file=sys.stderr)
         return 2

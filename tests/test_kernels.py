@@ -76,6 +76,37 @@ def test_native_paged_attention_matches_torch_backend(dtype, tol):
 
 @pytest.mark.skipif(native is None, reason="no AVX-512 bf16 CPU or no compiler")
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_mixed_prefill_and_decode_batch_matches_torch_backend(dtype, tol):
+    """Continuous batching: a 100-token prefill chunk (past the native kernel's query limit)
+    packed with a decode, a tree and a fresh prompt: long ones alone, short ones native."""
+    from engine.attention import NativeCPUAttention, TorchAttention
+    from engine.forward_batch import SeqSpan, build_forward_batch
+    from engine.kv_cache import KVCache
+    from engine.spec.tree import from_paths
+    gen = torch.Generator().manual_seed(1)
+    H, Hkv, D, bs = 6, 2, 32, 4
+    kv_a = KVCache(1, 128, bs, Hkv, D, dtype, torch.device("cpu"))
+    kv_a.data.copy_(torch.randn(kv_a.data.shape, generator=gen).to(dtype))
+    kv_b = KVCache(1, 128, bs, Hkv, D, dtype, torch.device("cpu"))
+    kv_b.data.copy_(kv_a.data)
+    blocks = torch.randperm(128, generator=gen).tolist()
+    tree = from_paths(1, [[2, 3], [2, 4], [5]])
+    spans = [SeqSpan([7], 13, blocks[:4]), SeqSpan(list(range(100)), 8, blocks[4:32]),
+             SeqSpan(tree.tokens, 9, blocks[32:36], tree_mask=tree.ancestor_mask()),
+             SeqSpan(list(range(70)), 0, blocks[36:54]), SeqSpan([1, 2, 3], 5, blocks[54:56])]
+    batch = build_forward_batch(spans, bs, torch.device("cpu"))
+    T = batch.input_ids.shape[0]
+    q = torch.randn(T, H, D, generator=gen).to(dtype)
+    k = torch.randn(T, Hkv, D, generator=gen).to(dtype)
+    v = torch.randn(T, Hkv, D, generator=gen).to(dtype)
+    want = TorchAttention(D ** -0.5).forward(q, k, v, 0, batch, kv_a).float()
+    got = NativeCPUAttention(D ** -0.5, native).forward(q, k, v, 0, batch, kv_b).float()
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    torch.testing.assert_close(kv_b.data, kv_a.data)
+
+
+@pytest.mark.skipif(native is None, reason="no AVX-512 bf16 CPU or no compiler")
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_fused_add_rms_norm(dtype, tol):
     from engine.layers import RMSNorm
     norm = RMSNorm(40, 1e-5)

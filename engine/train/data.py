@@ -57,6 +57,7 @@ def load_conversations(source: str, max_conversations: int | None = None) -> lis
 
 
 def normalise(item) -> list[dict] | None:
+    """Role/content dicts (an assistant turn may keep `token_ids`: the exact ids generated)."""
     msgs = item.get("messages", item.get("conversations")) if isinstance(item, dict) else item
     if not isinstance(msgs, list):
         return None
@@ -68,10 +69,14 @@ def normalise(item) -> list[dict] | None:
         content = m.get("content", m.get("value"))
         if role is None or not isinstance(content, str):
             return None
+        ids = m.get("token_ids")
+        if ids is not None and (role != "assistant" or not isinstance(ids, list)
+                                or not all(isinstance(i, int) and i >= 0 for i in ids)):
+            return None
         if conv and conv[-1]["role"] == role:  # merge runs of one role (ShareGPT has a few)
             conv[-1] = {"role": role, "content": conv[-1]["content"] + "\n\n" + content}
         else:
-            conv.append({"role": role, "content": content})
+            conv.append({"role": role, "content": content, **({"token_ids": ids} if ids is not None else {})})
     while conv and conv[0]["role"] == "assistant":
         conv.pop(0)
     if not any(m["role"] == "assistant" and m["content"].strip() for m in conv):
@@ -95,11 +100,16 @@ def render(tokenizer: Tokenizer, conv: list[dict], max_len: int) -> Example | No
         if not before.startswith(done) or not after.startswith(before):
             raise DataError("the chat template does not render conversations prefix by prefix; "
                             "cannot locate assistant turns")
-        for text, flag in ((before[len(done):], 0), (after[len(before):], 1)):
-            if text:
-                seg = tokenizer.encode(text, add_special_tokens=False)
-                ids.extend(seg)
-                mask.extend([flag] * len(seg))
+        turn = after[len(before):]
+        if m.get("token_ids") is not None and turn.startswith(m["content"]):
+            # regenerated turns carry the target's own ids; only the end-of-turn text is encoded
+            parts = [(before[len(done):], 0, None), (turn[len(m["content"]):], 1, list(m["token_ids"]))]
+        else:
+            parts = [(before[len(done):], 0, None), (turn, 1, [])]
+        for text, flag, head in parts:
+            seg = (head or []) + (tokenizer.encode(text, add_special_tokens=False) if text else [])
+            ids.extend(seg)
+            mask.extend([flag] * len(seg))
         done = after
         if len(ids) >= max_len:
             break

@@ -6,7 +6,8 @@ Pipeline (every stage resumable; all state under OUT):
 2. target features (final-norm hidden states, the target's dtype) cached in OUT/cache/shard_*.safetensors;
 3. teacher-forced training: from (f_t, x_{t+1}) predict f_{t+1}; loss = SmoothL1(feature) +
    0.1 x soft cross-entropy of lm_head(prediction) against softmax(lm_head(f_{t+1})), on positions
-   whose next-next token is an assistant token; uniform noise on the input features.
+   whose next-next token is an assistant token; uniform noise on the input features. The
+   cross-entropy is reported as KL (minus the target's entropy, a constant), so 0 is perfect.
    With a draft vocabulary of K tokens both distributions are taken over those K tokens.
 4. OUT/config.json + OUT/model.safetensors (+ d2t), OUT/card.json, OUT/train_log.jsonl,
    OUT/snapshots/* (heads at token milestones, for the acceptance-vs-tokens curve).
@@ -45,6 +46,7 @@ class TrainConfig:
     regenerate: bool = False
     regen_max_tokens: int = 384
     regen_max_prompt: int = 512
+    regen_max_turns: int = 2  # user turns answered per conversation (later ones are dropped)
     heldout_fraction: float = 0.02
     seed: int = 0
     dtype: str = "auto"  # the target's dtype while computing features
@@ -55,6 +57,7 @@ class TrainConfig:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
+        self.data, self.out = str(self.data), str(self.out)
         checks = [(self.max_len >= 8, "max_len must be >= 8"), (self.epochs >= 1, "epochs must be >= 1"),
                   (self.lr > 0, "lr must be > 0"), (self.batch_tokens >= self.max_len, "batch_tokens must be >= max_len"),
                   (0 <= self.heldout_fraction < 0.5, "heldout_fraction must be in [0, 0.5)"),
@@ -67,7 +70,7 @@ class TrainConfig:
     def data_key(self) -> str:
         """What the cached features depend on: resuming with other data settings starts over."""
         keys = (self.model or "default", self.data, self.max_conversations, self.max_len, self.regenerate,
-                self.regen_max_tokens, self.regen_max_prompt, self.dtype)
+                self.regen_max_tokens, self.regen_max_prompt, self.regen_max_turns, self.dtype)
         return hashlib.sha256(repr(keys).encode()).hexdigest()[:16]
 
 
@@ -125,13 +128,13 @@ def regenerate(cfg: TrainConfig, convs: list[list[dict]], log) -> list[list[dict
     llm = LLM(cfg.model, dtype=cfg.dtype, max_num_seqs=64, kv_cache_tokens=64 * (cfg.regen_max_prompt + cfg.regen_max_tokens + 32))
     tok = llm.tokenizer
     params = SamplingParams(max_tokens=cfg.regen_max_tokens, temperature=0.0)
-    chunk = 256  # conversations per round of turns: large, so the batch stays full while answers finish
+    chunk = 512  # conversations per round of turns: large, so the batch stays full while answers finish
     t0, n_tokens = time.time(), 0
     with open(path, "a", encoding="utf-8") as f:
         for start in range(len(done), len(convs), chunk):
             batch = convs[start:start + chunk]
             new = [[m for m in c[:1] if m["role"] == "system"] for c in batch]
-            turns = max(sum(m["role"] == "user" for m in c) for c in batch)
+            turns = min(cfg.regen_max_turns, max(sum(m["role"] == "user" for m in c) for c in batch))
             user_turns = [[m for m in c if m["role"] == "user"] for c in batch]
             for t in range(turns):
                 todo, prompts = [], []
@@ -147,7 +150,11 @@ def regenerate(cfg: TrainConfig, convs: list[list[dict]], log) -> list[list[dict
                     break
                 outs = llm.generate(prompts, params)
                 for i, o in zip(todo, outs):
-                    new[i] = new[i] + [{"role": "assistant", "content": o.text}]
+                    ids = list(o.token_ids)
+                    if ids and ids[-1] in llm.runner.loaded.eos_token_ids:
+                        ids.pop()  # the template writes the end of turn
+                    # the ids themselves: re-encoding the text need not give back what the target said
+                    new[i] = new[i] + [{"role": "assistant", "content": o.text, "token_ids": ids}]
                     n_tokens += len(o.token_ids)
             for c in new:
                 c = _drop_unanswered(c)
@@ -310,11 +317,15 @@ class Losses:
         vloss = F.smooth_l1_loss(p_sel, t_sel, reduction="none").mean(-1).mean()
         with torch.no_grad():
             t_logits = t_sel @ self.lm_rows.T
-            t_prob = t_logits.softmax(-1)
+            t_logp = t_logits.log_softmax(-1)
+            t_prob = t_logp.exp()
+            t_entropy = -(t_prob * t_logp).sum(-1)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bfeat.device.type == "cpu"):
             p_logits = p_sel @ self.lm_rows.T
         p_logp = p_logits.float().log_softmax(-1)
-        ploss = -(t_prob * p_logp).sum(-1).mean()
+        # soft cross-entropy minus the target's entropy (a constant): KL(target || draft), so
+        # the reported loss reaches 0 for a perfect draft; the gradient is the cross-entropy's
+        ploss = (-(t_prob * p_logp).sum(-1) - t_entropy).mean()
         loss = vloss + self.p_weight * ploss
         with torch.no_grad():
             agree = (p_logits.argmax(-1) == t_logits.argmax(-1)).float().sum().item()

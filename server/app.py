@@ -1,0 +1,445 @@
+"""The OpenAI-compatible HTTP server (FastAPI + sse-starlette) over the asyncio engine."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+from sse_starlette.sse import EventSourceResponse
+
+from engine.tokenizer import TemplateError
+from scheduler.async_engine import AsyncEngine, EngineDead
+from server.metrics import Metrics
+from server.protocol import (ApiError, ChatRequest, CompletionRequest, chat_inputs, check_common,
+                             completion_prompts, sampling_params)
+
+log = logging.getLogger("eagle_serve")
+VERSION = "0.1.0"
+
+
+class ServerState:
+    def __init__(self, llm, served_model_name: str | None = None, api_key: str | None = None,
+                 max_waiting: int = 256, max_body_bytes: int = 4 << 20, stall_seconds: float = 120.0):
+        self.llm = llm
+        self.tokenizer = llm.tokenizer
+        self.model_name = served_model_name or llm.model_name
+        self.api_key = api_key
+        self.max_waiting = max_waiting
+        self.max_body_bytes = max_body_bytes
+        self.stall_seconds = stall_seconds
+        alloc = llm.allocator
+        spec = llm.engine_config.spec
+        self.spec_method = spec.method
+        self.metrics = Metrics(running=lambda: self.engine.num_running, waiting=lambda: self.engine.num_waiting,
+                               kv_usage=lambda: alloc.num_used_blocks / alloc.num_blocks, max_depth=spec.max_depth)
+        self.engine = AsyncEngine(llm.loop, on_step=self.metrics.on_step, on_finish=self.metrics.on_finish)
+        self.created = int(time.time())
+
+
+def create_app(state: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app):
+        await state.engine.start()
+        try:
+            yield
+        finally:
+            await state.engine.stop()
+
+    app = FastAPI(title="eagle-serve", version=VERSION, lifespan=lifespan)
+    app.state.server = state
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, exc: ApiError):
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _internal(request, exc: Exception):
+        log.exception("internal error")
+        return JSONResponse(ApiError(500, f"internal error: {type(exc).__name__}").body(), status_code=500)
+
+    @app.middleware("http")
+    async def _limits_and_auth(request: Request, call_next):
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > state.max_body_bytes:
+            e = ApiError(413, f"request body over {state.max_body_bytes} bytes", code="request_too_large")
+            return JSONResponse(e.body(), status_code=413)
+        if state.api_key and request.url.path.startswith("/v1/"):
+            given = request.headers.get("authorization", "")
+            token = given[7:] if given.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(token.encode(), state.api_key.encode()):
+                e = ApiError(401, "missing or invalid API key (Authorization: Bearer KEY)", code="invalid_api_key")
+                return JSONResponse(e.body(), status_code=401)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        if state.engine.healthy(state.stall_seconds):
+            return {"status": "ok"}
+        return JSONResponse({"status": "unhealthy", "error": repr(state.engine.error) if state.engine.error else None},
+                            status_code=503)
+
+    @app.get("/version")
+    async def version():
+        return {"version": VERSION}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
+                                            "owned_by": "eagle-serve", "max_model_len": state.llm.max_model_len}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        req = await _parse(request, ChatRequest, state)
+        n = check_common(req)
+        messages, max_tokens, top = chat_inputs(req)
+        if state.tokenizer is None:
+            raise ApiError(400, "this server has no tokenizer; use /v1/completions with token ids")
+        try:
+            prompt = state.tokenizer.encode_chat(messages)
+        except TemplateError as e:
+            raise ApiError(400, str(e), "messages") from None
+        ctx = state.llm.max_model_len
+        if max_tokens is None:
+            max_tokens = ctx - len(prompt)
+            if max_tokens < 1:
+                raise ApiError(400, f"this model's maximum context length is {ctx} tokens; the messages have "
+                                    f"{len(prompt)} tokens", "messages", "context_length_exceeded")
+        params = [sampling_params(req, max_tokens, top, i) for i in range(n)]
+        handle = _submit(state, [prompt] * n, params, req.user)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return EventSourceResponse(_chat_stream(state, handle, include_usage), ping=15)
+        outs = await _collect(request, state, handle)
+        return _chat_response(state, handle, outs)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = await _parse(request, CompletionRequest, state)
+        n = check_common(req)
+        if state.tokenizer is None and (isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], str))):
+            raise ApiError(400, "this server has no tokenizer; send token ids", "prompt")
+        prompts = completion_prompts(req, state.tokenizer)
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        params = [sampling_params(req, max_tokens, req.logprobs, i) for i in range(n)]
+        handle = _submit(state, [p for p in prompts for _ in range(n)], params * len(prompts), req.user)
+        handle.echo = bool(req.echo)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return EventSourceResponse(_completion_stream(state, handle, include_usage), ping=15)
+        outs = await _collect(request, state, handle)
+        return _completion_response(state, handle, outs)
+
+    return app
+
+
+# ---------------------------------------------------------------------------- requests
+
+async def _parse(request: Request, model, state: ServerState):
+    body = await request.body()
+    if len(body) > state.max_body_bytes:
+        raise ApiError(413, f"request body over {state.max_body_bytes} bytes", code="request_too_large")
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    try:
+        req = model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"])
+        msg = "unknown or unsupported field" if err["type"] == "extra_forbidden" else err["msg"]
+        raise ApiError(400, f"{loc}: {msg}", loc or None) from None
+    if req.model != state.model_name:
+        raise ApiError(404, f"the model {req.model!r} does not exist; this server serves {state.model_name!r}",
+                       "model", "model_not_found")
+    return req
+
+
+class Handle:
+    def __init__(self, prompts, seq_ids, queues):
+        self.id = uuid.uuid4().hex
+        self.created = int(time.time())
+        self.prompts, self.seq_ids, self.queues = prompts, seq_ids, queues
+        self.finished = [False] * len(seq_ids)
+        self.echo = False
+
+
+def _submit(state: ServerState, prompts: list[list[int]], params, user: str | None) -> Handle:
+    eng = state.engine
+    if eng.num_waiting + len(prompts) > state.max_waiting:
+        raise ApiError(503, f"the server is busy ({eng.num_waiting} requests waiting); retry shortly",
+                       code="server_busy", headers={"Retry-After": "1"})
+    ids, queues = [], []
+    try:
+        for prompt, p in zip(prompts, params):
+            seq_id, q = eng.add_request(prompt, p)
+            ids.append(seq_id)
+            queues.append(q)
+    except EngineDead as e:
+        for i in ids:
+            eng.abort(i)
+        raise ApiError(503, str(e), code="engine_dead", headers={"Retry-After": "5"}) from None
+    except ValueError as e:
+        for i in ids:
+            eng.abort(i)
+        code = "context_length_exceeded" if "context length" in str(e) else None
+        raise ApiError(400, str(e), None, code) from None
+    state.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
+    if user:
+        log.info("request %s from user %r: %d sequences", ids, user, len(ids))
+    return Handle(prompts, ids, queues)
+
+
+class _Tracker:
+    """Per-sequence latency metrics as outputs arrive."""
+
+    def __init__(self, state: ServerState):
+        self.m = state.metrics
+        self.last: dict[int, float] = {}
+        self.count: dict[int, int] = {}
+
+    def see(self, out) -> None:
+        now = time.perf_counter()
+        n_new = len(out.token_ids) - self.count.get(out.seq_id, 0)
+        if n_new > 0:
+            if out.seq_id not in self.last and out.first_token_time is not None:
+                self.m.ttft.observe(out.first_token_time - out.arrival_time)
+                n_new -= 1
+            elif out.seq_id in self.last:
+                gap = (now - self.last[out.seq_id]) / n_new
+                for _ in range(n_new):
+                    self.m.itl.observe(gap)
+            self.last[out.seq_id] = now
+            self.count[out.seq_id] = len(out.token_ids)
+
+
+async def _collect(request: Request, state: ServerState, handle: Handle) -> list:
+    """Final outputs of all sequences; a client that goes away aborts them."""
+    tracker = _Tracker(state)
+
+    async def drain(q):
+        while True:
+            out = await q.get()
+            if isinstance(out, BaseException):
+                raise ApiError(503, str(out), code="engine_dead")
+            tracker.see(out)
+            if out.finished:
+                return out
+
+    task = asyncio.ensure_future(asyncio.gather(*(drain(q) for q in handle.queues)))
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.5)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                break
+        outs = await task
+    except asyncio.CancelledError:
+        _abort_all(state, handle)
+        raise
+    except BaseException:
+        _abort_all(state, handle)
+        raise
+    errors = [o for o in outs if o.finish_reason == "error"]
+    if errors:
+        raise ApiError(500, f"the engine failed on this request: {errors[0].error}", code="engine_error",
+                       type_="server_error")
+    return outs
+
+
+def _abort_all(state: ServerState, handle: Handle) -> None:
+    for seq_id in handle.seq_ids:
+        state.engine.abort(seq_id)
+
+
+def _usage(state: ServerState, handle: Handle, outs) -> dict:
+    # n choices share one prompt object: each prompt counts once, as OpenAI counts it
+    prompt = sum(len(p) for p in {id(p): p for p in handle.prompts}.values())
+    completion = sum(len(o.token_ids) for o in outs)
+    steps = sum(o.spec.verify_steps for o in outs)
+    accepted = sum(o.spec.accepted_tokens for o in outs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "spec": {"method": state.spec_method, "verify_steps": steps,
+                     "draft_tokens": sum(o.spec.draft_tokens for o in outs), "accepted_tokens": accepted,
+                     "acceptance_length": round((accepted + steps) / steps, 4) if steps else None}}
+
+
+# ---------------------------------------------------------------------------- chat
+
+def _token_str(state: ServerState, token_id: int) -> str:
+    return state.tokenizer.token_bytes(token_id).decode("utf-8", errors="replace") if state.tokenizer else str(token_id)
+
+
+def _chat_logprobs(state: ServerState, token_ids, logprobs) -> dict:
+    content = []
+    for t, lp in zip(token_ids, logprobs):
+        b = state.tokenizer.token_bytes(t) if state.tokenizer else b""
+        content.append({"token": _token_str(state, t), "logprob": lp.logprob, "bytes": list(b),
+                        "top_logprobs": [{"token": _token_str(state, i), "logprob": v,
+                                          "bytes": list(state.tokenizer.token_bytes(i)) if state.tokenizer else []}
+                                         for i, v in lp.top]})
+    return {"content": content}
+
+
+def _chat_response(state: ServerState, handle: Handle, outs) -> dict:
+    choices = []
+    for i, o in enumerate(outs):
+        choices.append({"index": i, "message": {"role": "assistant", "content": o.text},
+                        "logprobs": _chat_logprobs(state, o.token_ids, o.logprobs) if o.logprobs is not None else None,
+                        "finish_reason": o.finish_reason})
+    return {"id": f"chatcmpl-{handle.id}", "object": "chat.completion", "created": handle.created,
+            "model": state.model_name, "choices": choices, "usage": _usage(state, handle, outs)}
+
+
+async def _merged(state: ServerState, handle: Handle):
+    """(choice index, output) from all sequences, as they come."""
+    merged: asyncio.Queue = asyncio.Queue()
+    done = 0
+
+    async def pump(i, q):
+        while True:
+            out = await q.get()
+            await merged.put((i, out))
+            if isinstance(out, BaseException) or out.finished:
+                return
+
+    tasks = [asyncio.ensure_future(pump(i, q)) for i, q in enumerate(handle.queues)]
+    try:
+        while done < len(tasks):
+            i, out = await merged.get()
+            if isinstance(out, BaseException):
+                raise ApiError(503, str(out), code="engine_dead")
+            if out.finished:
+                done += 1
+                handle.finished[i] = True
+            yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+        for i, seq_id in enumerate(handle.seq_ids):
+            if not handle.finished[i]:
+                state.engine.abort(seq_id)
+
+
+def _event(obj) -> dict:
+    return {"data": json.dumps(obj, ensure_ascii=False)}
+
+
+async def _chat_stream(state: ServerState, handle: Handle, include_usage: bool):
+    base = {"id": f"chatcmpl-{handle.id}", "object": "chat.completion.chunk", "created": handle.created,
+            "model": state.model_name}
+    usage_field = {"usage": None} if include_usage else {}
+    tracker = _Tracker(state)
+    sent = [0] * len(handle.seq_ids)
+    finals = [None] * len(handle.seq_ids)
+    for i in range(len(handle.seq_ids)):
+        yield _event({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                           "logprobs": None, "finish_reason": None}], **usage_field})
+    try:
+        async for i, out in _merged(state, handle):
+            tracker.see(out)
+            if out.finish_reason == "error":
+                yield _event({"error": ApiError(500, f"the engine failed on this request: {out.error}",
+                                                code="engine_error", type_="server_error").body()["error"]})
+                return
+            new_ids = out.token_ids[sent[i]:]
+            lps = out.logprobs[sent[i]:] if out.logprobs is not None else None
+            sent[i] = len(out.token_ids)
+            if out.text_delta or lps:
+                choice = {"index": i, "delta": {"content": out.text_delta},
+                          "logprobs": _chat_logprobs(state, new_ids, lps) if lps is not None else None,
+                          "finish_reason": None}
+                yield _event({**base, "choices": [choice], **usage_field})
+            if out.finished:
+                finals[i] = out
+                yield _event({**base, "choices": [{"index": i, "delta": {}, "logprobs": None,
+                                                   "finish_reason": out.finish_reason}], **usage_field})
+    except ApiError as e:
+        yield _event(e.body())
+        return
+    if include_usage:
+        yield _event({**base, "choices": [], "usage": _usage(state, handle, finals)})
+    yield {"data": "[DONE]"}
+
+
+# ---------------------------------------------------------------------------- completions
+
+def _completion_logprobs(state: ServerState, token_ids, logprobs, text_start: int) -> dict:
+    tokens, token_lps, tops, offsets = [], [], [], []
+    offset = text_start
+    for t, lp in zip(token_ids, logprobs):
+        s = _token_str(state, t)
+        tokens.append(s)
+        token_lps.append(lp.logprob)
+        tops.append({_token_str(state, i): v for i, v in lp.top})
+        offsets.append(offset)
+        offset += len(s)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _prompt_text(state: ServerState, prompt: list[int]) -> str:
+    return state.tokenizer.decode(prompt) if state.tokenizer else ""
+
+
+def _completion_response(state: ServerState, handle: Handle, outs) -> dict:
+    choices = []
+    for i, o in enumerate(outs):
+        prefix = _prompt_text(state, handle.prompts[i]) if handle.echo else ""
+        choices.append({"index": i, "text": prefix + o.text, "finish_reason": o.finish_reason,
+                        "logprobs": _completion_logprobs(state, o.token_ids, o.logprobs, len(prefix))
+                        if o.logprobs is not None else None})
+    return {"id": f"cmpl-{handle.id}", "object": "text_completion", "created": handle.created,
+            "model": state.model_name, "choices": choices, "usage": _usage(state, handle, outs)}
+
+
+async def _completion_stream(state: ServerState, handle: Handle, include_usage: bool):
+    base = {"id": f"cmpl-{handle.id}", "object": "text_completion", "created": handle.created,
+            "model": state.model_name}
+    usage_field = {"usage": None} if include_usage else {}
+    tracker = _Tracker(state)
+    sent = [0] * len(handle.seq_ids)
+    offsets = [0] * len(handle.seq_ids)
+    finals = [None] * len(handle.seq_ids)
+    if handle.echo:
+        for i, p in enumerate(handle.prompts):
+            text = _prompt_text(state, p)
+            offsets[i] = len(text)
+            yield _event({**base, "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": None}],
+                          **usage_field})
+    try:
+        async for i, out in _merged(state, handle):
+            tracker.see(out)
+            if out.finish_reason == "error":
+                yield _event({"error": ApiError(500, f"the engine failed on this request: {out.error}",
+                                                code="engine_error", type_="server_error").body()["error"]})
+                return
+            new_ids = out.token_ids[sent[i]:]
+            lps = out.logprobs[sent[i]:] if out.logprobs is not None else None
+            sent[i] = len(out.token_ids)
+            if out.text_delta or lps or out.finished:
+                lp_obj = _completion_logprobs(state, new_ids, lps, offsets[i]) if lps is not None else None
+                offsets[i] += len(out.text_delta)
+                yield _event({**base, "choices": [{"index": i, "text": out.text_delta, "logprobs": lp_obj,
+                                                   "finish_reason": out.finish_reason if out.finished else None}],
+                              **usage_field})
+            if out.finished:
+                finals[i] = out
+    except ApiError as e:
+        yield _event(e.body())
+        return
+    if include_usage:
+        yield _event({**base, "choices": [], "usage": _usage(state, handle, finals)})
+    yield {"data": "[DONE]"}

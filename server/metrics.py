@@ -1,0 +1,70 @@
+"""Prometheus metrics (one registry per server). Every label value exists from start-up, so all
+series are there before the first request. Count histograms (acceptance length, tree tokens)
+use count buckets, latency histograms use seconds."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+COUNT_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0,
+                   40.0, 80.0)
+FINISH_REASONS = ("stop", "length", "abort", "error")
+MAX_DEPTH_LABELS = 16
+
+
+class Metrics:
+    def __init__(self, running, waiting, kv_usage, max_depth: int):
+        r = self.registry = CollectorRegistry()
+        p = "eagle_serve_"
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
+        self.decode_steps = Counter(p + "decode_steps", "Engine steps that decoded, by mode", ["mode"], registry=r)
+        self.verify_steps = Counter(p + "spec_verify_steps", "Per-sequence rounds that verified a draft", registry=r)
+        self.draft_tokens = Counter(p + "spec_draft_tokens", "Draft tokens verified", registry=r)
+        self.accepted_tokens = Counter(p + "spec_accepted_tokens", "Draft tokens accepted", registry=r)
+        self.accepted_per_depth = Counter(p + "spec_accepted_tokens_per_depth", "Draft tokens accepted at each depth",
+                                          ["depth"], registry=r)
+        self.acceptance_length = Histogram(p + "spec_acceptance_length", "Tokens emitted per verify step",
+                                           buckets=COUNT_BUCKETS, registry=r)
+        self.tree_tokens = Histogram(p + "spec_tree_tokens", "Tokens verified per sequence per round (root included)",
+                                     buckets=COUNT_BUCKETS, registry=r)
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(p + "inter_token_latency_seconds", "Time between output tokens", buckets=LATENCY_BUCKETS,
+                             registry=r)
+        self.latency = Histogram(p + "request_latency_seconds", "Arrival to finish", buckets=LATENCY_BUCKETS, registry=r)
+        self.requests = Counter(p + "requests", "Finished requests, by finish reason", ["finish_reason"], registry=r)
+        Gauge(p + "requests_running", "Sequences running", registry=r).set_function(running)
+        Gauge(p + "requests_waiting", "Sequences waiting", registry=r).set_function(waiting)
+        Gauge(p + "kv_cache_usage_ratio", "Fraction of KV blocks in use", registry=r).set_function(kv_usage)
+        for mode in ("spec", "plain"):
+            self.decode_steps.labels(mode)
+        for reason in FINISH_REASONS:
+            self.requests.labels(reason)
+        for d in range(1, min(max_depth, MAX_DEPTH_LABELS) + 1):
+            self.accepted_per_depth.labels(str(d))
+
+    def on_step(self, seqs, results, outputs, seconds: float) -> None:
+        ok = [r for r in results if not isinstance(r, BaseException)]
+        decoded = [r for r in ok if r.token_ids]
+        if decoded:
+            spec = any(r.num_draft_tokens for r in decoded)
+            self.decode_steps.labels("spec" if spec else "plain").inc()
+        for r in decoded:
+            if r.num_draft_tokens:
+                self.verify_steps.inc()
+                self.draft_tokens.inc(r.num_draft_tokens)
+                self.accepted_tokens.inc(r.num_accepted)
+                self.acceptance_length.observe(len(r.token_ids))
+                for d, n in enumerate(r.accepted_per_depth, 1):
+                    if n and d <= MAX_DEPTH_LABELS:
+                        self.accepted_per_depth.labels(str(d)).inc(n)
+            self.tree_tokens.observe(r.num_draft_tokens + 1)
+
+    def on_finish(self, out) -> None:
+        self.requests.labels(out.finish_reason or "abort").inc()
+        self.generation_tokens.inc(len(out.token_ids))
+        if out.finish_time is not None:
+            self.latency.observe(out.finish_time - out.arrival_time)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,347 @@
+"""The OpenAI-compatible server, driven by the official `openai` SDK against a live uvicorn on
+127.0.0.1 (tiny float64 model; one test on the real default model)."""
+from __future__ import annotations
+
+import asyncio
+import math
+import socket
+import threading
+import time
+
+import httpx2 as httpx
+import openai
+import pytest
+import uvicorn
+
+from engine.spec.config import SpecConfig
+from server.app import ServerState, create_app
+from server.llm import LLM
+from tests.spec_helpers import write_eagle_head
+
+
+class LiveServer:
+    def __init__(self, llm, **state_kwargs):
+        self.state = ServerState(llm, **state_kwargs)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(create_app(self.state), host="127.0.0.1", port=self.port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            if time.time() > deadline:
+                raise RuntimeError("server did not start")
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
+
+    def metrics(self) -> dict[str, float]:
+        out = {}
+        for line in httpx.get(self.url + "/metrics").text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def head_dir(tiny_llama, tmp_path_factory):
+    return write_eagle_head(str(tmp_path_factory.mktemp("eagle-head")), tiny_llama[0])
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama, head_dir):
+    llm = LLM(tiny_llama[0], dtype="float64", device="cpu", kv_cache_tokens=4096, block_size=4, draft=head_dir,
+              spec=SpecConfig("eagle2", total_tokens=8, depth=4, top_k=3), tree_budget=False)
+    srv = LiveServer(llm, served_model_name="tiny", max_body_bytes=64 << 10)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+MSG = [{"role": "user", "content": "the quick brown fox"}]
+
+
+def test_models_health_version(server, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/version").json()["version"]
+
+
+def test_chat_and_completion_plain_and_streaming_agree(client):
+    kw = dict(model="tiny", max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    chat = client.chat.completions.create(messages=MSG, **kw)
+    assert chat.object == "chat.completion" and chat.choices[0].finish_reason == "length"
+    assert chat.usage.completion_tokens == 12 and chat.usage.total_tokens == chat.usage.prompt_tokens + 12
+    assert chat.usage.model_extra["spec"]["method"] == "eagle2"
+    chunks = list(client.chat.completions.create(messages=MSG, stream=True, **kw))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == chat.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+    comp = client.completions.create(prompt="the quick brown", **kw)
+    assert comp.object == "text_completion" and comp.usage.completion_tokens == 12
+    parts = list(client.completions.create(prompt="the quick brown", stream=True, **kw))
+    assert "".join(p.choices[0].text for p in parts) == comp.choices[0].text
+    echo = client.completions.create(prompt="the quick brown", echo=True, **kw)
+    assert echo.choices[0].text == "the quick brown" + comp.choices[0].text
+    ids = client.completions.create(prompt=[[5, 6, 7], [8, 9]], **kw)
+    assert len(ids.choices) == 2 and ids.usage.prompt_tokens == 5
+
+
+def test_stream_include_usage(client):
+    chunks = list(client.chat.completions.create(model="tiny", messages=MSG, max_tokens=5, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+
+
+def test_n_choices_prefill_once_and_seeds(server, client):
+    before = server.state.llm.allocator.prefix_hit_tokens
+    long_msg = [{"role": "user", "content": "speculative decoding verifies a draft tree " * 3}]
+    r = client.chat.completions.create(model="tiny", messages=long_msg, n=2, max_tokens=6, temperature=0.9, seed=3)
+    hit = server.state.llm.allocator.prefix_hit_tokens - before
+    n_prompt = r.usage.prompt_tokens
+    full = (n_prompt - 1) // 4 * 4
+    assert full <= hit < 2 * full  # the second choice reused every full block the first computed
+    again = client.chat.completions.create(model="tiny", messages=long_msg, n=2, max_tokens=6, temperature=0.9, seed=3)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
+    # choice i uses seed + i: choice 1 of seed 3 == choice 0 of seed 4
+    one = client.chat.completions.create(model="tiny", messages=long_msg, max_tokens=6, temperature=0.9, seed=4)
+    assert one.choices[0].message.content == r.choices[1].message.content
+
+
+def test_stop_strings_spanning_tokens_never_leak(client):
+    full = client.completions.create(model="tiny", prompt="the quick brown", max_tokens=24, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[5:9]  # almost surely spans a token boundary
+    assert len(stop) == 4
+    r = client.completions.create(model="tiny", prompt="the quick brown", max_tokens=24, temperature=0, stop=[stop],
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == full[:full.index(stop)] and r.choices[0].finish_reason == "stop"
+    streamed = "".join(p.choices[0].text for p in client.completions.create(
+        model="tiny", prompt="the quick brown", max_tokens=24, temperature=0, stop=[stop], stream=True,
+        extra_body={"ignore_eos": True}))
+    assert streamed == r.choices[0].text
+
+
+def test_logprobs_both_shapes(client):
+    chat = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=4, temperature=0, logprobs=True,
+                                          top_logprobs=3, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 3 for c in content)
+    assert all(c.logprob <= 0 and c.logprob == pytest.approx(c.top_logprobs[0].logprob) for c in content)  # greedy
+    assert bytes(b for c in content for b in c.bytes).decode("utf-8", "replace") == chat.choices[0].message.content
+    comp = client.completions.create(model="tiny", prompt="the quick", max_tokens=4, temperature=0, logprobs=2,
+                                     extra_body={"ignore_eos": True})
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 4
+    assert lp.text_offset[0] == 0 and all(1 <= len(t) <= 2 for t in lp.top_logprobs)  # keys are strings: may merge
+
+
+def test_logprobs_with_speculation_equal_without(tiny_llama, server):
+    plain = LLM(tiny_llama[0], dtype="float64", device="cpu", kv_cache_tokens=1024, block_size=4)
+    srv = LiveServer(plain, served_model_name="tiny")
+    try:
+        kw = dict(model="tiny", prompt="the quick brown fox", max_tokens=10, temperature=0, logprobs=5,
+                  extra_body={"ignore_eos": True})
+        a = server.client().completions.create(**kw).choices[0].logprobs
+        b = srv.client().completions.create(**kw).choices[0].logprobs
+    finally:
+        srv.stop()
+    assert a.tokens == b.tokens
+    assert all(math.isclose(x, y, abs_tol=1e-6) for x, y in zip(a.token_logprobs, b.token_logprobs))
+    for ta, tb in zip(a.top_logprobs, b.top_logprobs):
+        assert ta.keys() == tb.keys() and all(math.isclose(ta[k], tb[k], abs_tol=1e-6) for k in ta)
+
+
+def test_multibyte_characters_stream_intact(tiny_llama):
+    """The engine's sampled tokens are replaced by a script whose characters span tokens: the
+    SSE stream (detokenizer, output processor, chunks) must deliver every character whole."""
+    import dataclasses
+    llm = LLM(tiny_llama[0], dtype="float64", device="cpu", kv_cache_tokens=1024, block_size=4)
+    tok = llm.tokenizer
+    text = "héllo 你好 wörld ✓ 世界"
+    script = tok.encode(text, add_special_tokens=False)
+    assert any("\ufffd" in tok.decode([i]) for i in script)  # some character really spans tokens
+    real = llm.runner.execute
+
+    def scripted(steps):
+        return [dataclasses.replace(r, token_ids=[script[s.output_position]])
+                for r, s in zip(real(steps), [s for s in steps if s.sample])]
+    llm.runner.execute = scripted
+    srv = LiveServer(llm, served_model_name="tiny")
+    try:
+        parts = [p.choices[0].text for p in srv.client().completions.create(
+            model="tiny", prompt="x", max_tokens=len(script), stream=True, extra_body={"ignore_eos": True})]
+    finally:
+        srv.stop()
+    assert "".join(parts) == text
+    assert all("\ufffd" not in p for p in parts)
+    assert len([p for p in parts if p]) > 3
+
+
+def _error(fn):
+    with pytest.raises(openai.APIStatusError) as e:
+        fn()
+    body = e.value.response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return e.value.response.status_code, body["error"]
+
+
+def test_errors_have_openai_shape_and_status(server, client):
+    s, e = _error(lambda: client.chat.completions.create(model="nope", messages=MSG))
+    assert s == 404 and e["code"] == "model_not_found"
+    s, e = _error(lambda: client.chat.completions.create(model="tiny", messages=MSG, temperature=5))
+    assert s == 400 and e["param"] == "temperature"
+    s, e = _error(lambda: client.chat.completions.create(model="tiny", messages=MSG, extra_body={"bogus": 1}))
+    assert s == 400 and e["param"] == "bogus"
+    s, e = _error(lambda: client.chat.completions.create(model="tiny", messages=MSG, tools=[{"type": "function",
+                                                         "function": {"name": "f", "parameters": {}}}]))
+    assert s == 400 and e["param"] == "tools"
+    s, e = _error(lambda: client.chat.completions.create(model="tiny", messages=MSG,
+                                                         response_format={"type": "json_object"}))
+    assert s == 400 and e["param"] == "response_format"
+    s, e = _error(lambda: client.completions.create(model="tiny", prompt="x" * 3000, max_tokens=5))
+    assert s == 400 and e["code"] == "context_length_exceeded"
+    s, e = _error(lambda: client.completions.create(model="tiny", prompt=[[5, 400000]], max_tokens=5))
+    assert s == 400
+    s, e = _error(lambda: client.chat.completions.create(model="tiny", messages=[{"role": "tool", "content": "x"}]))
+    assert s == 400
+    s, e = _error(lambda: client.completions.create(model="tiny", prompt="hi", n=0))
+    assert s == 400 and e["param"] == "n"
+    big = httpx.post(server.url + "/v1/completions", content=b'{"model": "tiny", "prompt": "' + b"a" * (70 << 10) + b'"}',
+                     headers={"content-type": "application/json"})
+    assert big.status_code == 413 and set(big.json()["error"]) == {"message", "type", "param", "code"}
+    bad = httpx.post(server.url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert bad.status_code == 400 and "error" in bad.json()
+    # nulls and defaults are accepted
+    ok = httpx.post(server.url + "/v1/chat/completions", json={"model": "tiny", "messages": MSG, "max_tokens": 2,
+                                                              "temperature": None, "stop": None, "logit_bias": None,
+                                                              "n": 1, "stream": False, "tools": None, "user": "u1"})
+    assert ok.status_code == 200
+    assert server.state.llm.loop.has_unfinished is False
+
+
+def test_api_key_and_busy_queue(tiny_llama):
+    llm = LLM(tiny_llama[0], dtype="float64", device="cpu", kv_cache_tokens=1024, block_size=4, max_num_seqs=1)
+    srv = LiveServer(llm, served_model_name="tiny", api_key="s3cret", max_waiting=1)
+    try:
+        s, e = _error(lambda: srv.client(api_key="wrong").models.list())
+        assert s == 401
+        missing = httpx.get(srv.url + "/v1/models")
+        assert missing.status_code == 401 and set(missing.json()["error"]) == {"message", "type", "param", "code"}
+        assert httpx.get(srv.url + "/health").status_code == 200  # open without a key
+        assert httpx.get(srv.url + "/metrics").status_code == 200
+        good = srv.client(api_key="s3cret")
+        assert good.models.list().data[0].id == "tiny"
+        # one running, one waiting: the next is refused with 503 + Retry-After
+        with good.completions.with_streaming_response.create(model="tiny", prompt="a", max_tokens=300, stream=True,
+                                                             extra_body={"ignore_eos": True}) as first:
+            it = first.iter_lines()
+            next(it)
+            with good.completions.with_streaming_response.create(model="tiny", prompt="b", max_tokens=300, stream=True,
+                                                                  extra_body={"ignore_eos": True}) as second:
+                with pytest.raises(openai.APIStatusError) as e:
+                    good.completions.create(model="tiny", prompt="c", max_tokens=3)
+                assert e.value.status_code == 503 and e.value.response.headers["retry-after"]
+                del second
+    finally:
+        srv.stop()
+
+
+def test_metrics_are_consistent_with_responses(tiny_llama, head_dir):
+    llm = LLM(tiny_llama[0], dtype="float64", device="cpu", kv_cache_tokens=2048, block_size=4, draft=head_dir,
+              spec=SpecConfig("eagle2", total_tokens=8, depth=4, top_k=3), tree_budget=False)
+    srv = LiveServer(llm, served_model_name="tiny")
+    try:
+        m0 = srv.metrics()
+        assert m0['eagle_serve_requests_total{finish_reason="error"}'] == 0  # series exist from start-up
+        assert 'eagle_serve_decode_steps_total{mode="spec"}' in m0
+        assert 'eagle_serve_spec_accepted_tokens_per_depth_total{depth="1"}' in m0
+        c = srv.client()
+        total = 0
+        for i in range(3):
+            r = c.completions.create(model="tiny", prompt=f"the quick brown {i}", max_tokens=10 + i, temperature=0,
+                                     extra_body={"ignore_eos": True})
+            total += r.usage.completion_tokens
+        m = srv.metrics()
+        assert m["eagle_serve_generation_tokens_total"] == total
+        assert m['eagle_serve_requests_total{finish_reason="length"}'] == 3
+        assert 0 <= m["eagle_serve_spec_accepted_tokens_total"] <= m["eagle_serve_spec_draft_tokens_total"]
+        assert m["eagle_serve_spec_draft_tokens_total"] > 0
+        per_depth = sum(v for k, v in m.items() if k.startswith("eagle_serve_spec_accepted_tokens_per_depth_total"))
+        assert per_depth == m["eagle_serve_spec_accepted_tokens_total"]
+        # tokens emitted in verify rounds = verify steps + accepted drafts
+        assert m["eagle_serve_spec_acceptance_length_sum"] == (m["eagle_serve_spec_verify_steps_total"]
+                                                              + m["eagle_serve_spec_accepted_tokens_total"])
+        assert m["eagle_serve_spec_verify_steps_total"] == m["eagle_serve_spec_acceptance_length_count"]
+        assert m["eagle_serve_time_to_first_token_seconds_count"] == 3
+        assert m["eagle_serve_requests_running"] == 0 and m["eagle_serve_kv_cache_usage_ratio"] <= 1
+        assert 'eagle_serve_spec_tree_tokens_bucket{le="64.0"}' in m
+    finally:
+        srv.stop()
+
+
+def test_disconnect_aborts_and_frees_blocks_and_health_turns_503(tiny_llama):
+    llm = LLM(tiny_llama[0], dtype="float64", device="cpu", kv_cache_tokens=1024, block_size=4)
+    free0 = llm.allocator.num_free_blocks
+    srv = LiveServer(llm, served_model_name="tiny")
+    try:
+        with httpx.stream("POST", srv.url + "/v1/completions", json={"model": "tiny", "prompt": "the quick",
+                          "max_tokens": 400, "stream": True, "ignore_eos": True}) as r:
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(6)]
+            assert any(line.startswith("data:") for line in got)
+        deadline = time.time() + 20
+        while (llm.loop.has_unfinished or llm.allocator.num_free_blocks != free0) and time.time() < deadline:
+            time.sleep(0.05)
+        assert not llm.loop.has_unfinished and llm.allocator.num_free_blocks == free0
+        m = srv.metrics()
+        assert m['eagle_serve_requests_total{finish_reason="abort"}'] == 1
+        # a client that disconnects from a non-streaming request aborts it too
+        try:
+            httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 400,
+                                                          "ignore_eos": True}, timeout=0.3)
+        except httpx.TimeoutException:
+            pass
+        deadline = time.time() + 20
+        while llm.loop.has_unfinished and time.time() < deadline:
+            time.sleep(0.05)
+        assert not llm.loop.has_unfinished and llm.allocator.num_free_blocks == free0
+        # the scheduler loop stops: /health says so
+        assert httpx.get(srv.url + "/health").status_code == 200
+        fut = asyncio.run_coroutine_threadsafe(srv.state.engine.stop(), srv.state.engine._task.get_loop())
+        fut.result(timeout=10)
+        assert httpx.get(srv.url + "/health").status_code == 503
+    finally:
+        srv.stop()
+
+
+@pytest.mark.real_model
+def test_real_default_model_chat(tmp_path):
+    llm = LLM(None, dtype="float32", device="cpu", kv_cache_tokens=4096)
+    srv = LiveServer(llm)
+    try:
+        c = srv.client()
+        name = c.models.list().data[0].id
+        r = c.chat.completions.create(model=name, messages=[{"role": "user", "content": "What is the capital of France?"}],
+                                      max_tokens=24, temperature=0)
+        assert "Paris" in r.choices[0].message.content
+        streamed = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+            model=name, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=24,
+            temperature=0, stream=True) if ch.choices)
+        assert streamed == r.choices[0].message.content
+    finally:
+        srv.stop()

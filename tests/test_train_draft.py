@@ -1,0 +1,170 @@
+"""`eagle-serve train-draft`: data rendering, training, the saved head, bad data."""
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+import torch
+
+from engine.sampling_params import SamplingParams
+from engine.spec.config import SpecConfig
+from engine.train.data import DataError, _json_array_items, load_conversations, render
+from engine.train.trainer import TrainConfig, train_draft
+from server.llm import LLM
+from tests.spec_helpers import write_eagle_head
+
+WORDS = "the quick brown fox jumps over the lazy dog speculative decoding verifies a draft tree".split()
+
+
+def write_jsonl(path, n, seed=0, turns=1):
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for i in range(n):
+            msgs = []
+            for _ in range(turns):
+                msgs.append({"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(rng.randrange(3, 8)))})
+                msgs.append({"role": "assistant", "content": " ".join(rng.choice(WORDS) for _ in range(rng.randrange(4, 12)))})
+            f.write(json.dumps({"messages": msgs} if i % 2 else msgs) + "\n")
+    return path
+
+
+def test_only_assistant_tokens_are_counted(tiny_llm):
+    tok = tiny_llm.tokenizer
+    conv = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the fox"},
+            {"role": "assistant", "content": "jumps over"}, {"role": "user", "content": "the dog"},
+            {"role": "assistant", "content": "is lazy"}]
+    ex = render(tok, conv, max_len=1000)
+    assert ex.ids == tok.encode(tok.apply_chat_template(conv, add_generation_prompt=False), add_special_tokens=False)
+    spans, cur = [], []
+    for i, m in zip(ex.ids, ex.mask):
+        if m:
+            cur.append(i)
+        elif cur:
+            spans.append(cur)
+            cur = []
+    spans.append(cur) if cur else None
+    assert [tok.decode(s, skip_special_tokens=False) for s in spans] == ["jumps over<|im_end|>\n", "is lazy<|im_end|>\n"]
+    # truncation cuts the tail; a conversation with no assistant token left is dropped
+    short = render(tok, conv, max_len=len(ex.ids) - 3)
+    assert short.ids == ex.ids[:len(ex.ids) - 3]
+    assert render(tok, conv, max_len=5) is None
+
+
+def test_bad_data_is_a_clear_error(tmp_path, tiny_llama):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(DataError, match="empty file"):
+        load_conversations(str(empty))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]\n{"messages": [\n')
+    with pytest.raises(DataError, match=r"bad.jsonl:2: not valid JSON"):
+        load_conversations(str(bad))
+    useless = tmp_path / "useless.jsonl"
+    useless.write_text('{"messages": [{"role": "user", "content": "only a question"}]}\n"a string"\n')
+    with pytest.raises(DataError):
+        load_conversations(str(useless))
+    with pytest.raises(DataError, match="no such file"):
+        load_conversations(str(tmp_path / "missing.jsonl"))
+    # every conversation longer than max_len with no assistant token inside: a clear error
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps([{"role": "user", "content": " ".join(WORDS * 20)}, {"role": "assistant", "content": "ok"}]) + "\n" * 2)
+    with pytest.raises(DataError, match="max_len"):
+        train_draft(TrainConfig(model=tiny_llama[0], out=str(tmp_path / "o"), data=str(long), max_len=16,
+                                batch_tokens=64, dtype="float64", progress=False), log=lambda m: None)
+
+
+def test_truncated_sharegpt_array_is_read_up_to_the_cut():
+    text = '[{"id": "a", "conversations": []}, {"id": "b", "conversations": [{"from": "human", "value": "x"}]}, {"id": "c", "conv'
+    assert [o["id"] for o in _json_array_items(text)] == ["a", "b"]
+
+
+def test_training_lowers_loss_and_saved_head_reloads_identically(tiny_llama, tmp_path):
+    from engine.attention import TorchAttention
+    from engine.forward_batch import SeqSpan, build_forward_batch
+    from engine.kv_cache import KVCache
+    from engine.spec.eagle_head import load_eagle_head
+    from engine.train.head import TrainHead
+    data = write_jsonl(tmp_path / "d.jsonl", 40)
+    out = str(tmp_path / "head")
+    card = train_draft(TrainConfig(model=tiny_llama[0], out=out, data=data, max_len=128, epochs=3, lr=3e-3,
+                                   batch_tokens=512, warmup_steps=2, dtype="float64", progress=False,
+                                   heldout_fraction=0.1, snapshots=2), log=lambda m: None)
+    hist = card["history"]
+    assert hist[-1]["heldout_loss"] < hist[0]["heldout_loss"]
+    assert os.path.exists(os.path.join(out, "model.safetensors")) and os.path.exists(os.path.join(out, "card.json"))
+    assert len(os.listdir(os.path.join(out, "snapshots"))) == 2
+    # the serving loader accepts it and computes what the training module computes
+    llm = LLM(tiny_llama[0], dtype="float64", device="cpu", kv_cache_tokens=1024, block_size=4)
+    target = llm.runner.model
+    head = load_eagle_head(out, target, torch.float64)
+    state = torch.load(os.path.join(out, "train_state.pt"), weights_only=False)["head"]
+    th = TrainHead(llm.runner.loaded.config).double()
+    th.load_state_dict({k: v.double() for k, v in state.items()}, strict=False)
+    th.load_eagle_state_dict({k: v.to(torch.bfloat16).double() for k, v in th.eagle_state_dict().items()})  # as saved
+    ids = list(range(5, 25))
+    feats = torch.randn(len(ids), 64, dtype=torch.float64)
+    cfg = head.config
+    kv = KVCache(1, 16, 4, cfg.num_kv_heads, cfg.head_dim, torch.float64, torch.device("cpu"))
+    batch = build_forward_batch([SeqSpan(ids, 0, list(range(8)))], 4, torch.device("cpu"))
+    with torch.inference_mode():
+        served = head(target.model.embed_tokens(batch.input_ids), feats, batch, kv, TorchAttention(cfg.head_dim ** -0.5),
+                      target.model.rotary)
+        trained = th(target.model.embed_tokens.weight[torch.tensor(ids)][None], feats[None])[0]
+    assert torch.allclose(served, trained, atol=1e-9)
+    # resuming a finished run changes nothing
+    again = train_draft(TrainConfig(model=tiny_llama[0], out=out, data=data, max_len=128, epochs=3, lr=3e-3,
+                                    batch_tokens=512, warmup_steps=2, dtype="float64", progress=False,
+                                    heldout_fraction=0.1, snapshots=2), log=lambda m: None)
+    assert again["heldout_loss"] == card["heldout_loss"]
+
+
+def test_reduced_draft_vocab_is_saved_and_used(tiny_llama, tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", 30, seed=2)
+    out = str(tmp_path / "head")
+    card = train_draft(TrainConfig(model=tiny_llama[0], out=out, data=data, max_len=128, epochs=1, batch_tokens=512,
+                                   dtype="float64", progress=False, draft_vocab=40, heldout_fraction=0.1, snapshots=0),
+                       log=lambda m: None)
+    assert card["draft_vocab"] == 40 and 0 < card["draft_vocab_coverage"] <= 1
+    llm = LLM(tiny_llama[0], dtype="float64", device="cpu", kv_cache_tokens=2048, block_size=4, draft=out,
+              spec=SpecConfig("eagle2", total_tokens=6, depth=3, top_k=2), tree_budget=False)
+    head = llm.runner.drafter.head
+    assert head.d2t is not None and len(head.d2t) == 40
+    plain = LLM(tiny_llama[0], dtype="float64", device="cpu", kv_cache_tokens=2048, block_size=4)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    p = [5, 6, 7, 8, 9]
+    assert llm.generate(p, params)[0].token_ids == plain.generate(p, params)[0].token_ids
+
+
+@pytest.mark.slow
+def test_trained_head_beats_a_random_head(tmp_path):
+    """Learnable structure: a one-layer tiny target (which a one-layer head can imitate) and its
+    own greedy answers (--regenerate). A briefly trained head must reach an acceptance length
+    >= a random head's + 0.5 and at least halve the held-out loss."""
+    from tests.conftest import write_tiny_model
+    target = str(tmp_path / "target")
+    write_tiny_model(target, layers=1, seed=3)
+    tiny_llama = (target, None)
+    data = write_jsonl(tmp_path / "d.jsonl", 160, seed=5)
+    out = str(tmp_path / "head")
+    card = train_draft(TrainConfig(model=tiny_llama[0], out=out, data=data, max_len=160, epochs=30, lr=5e-3,
+                                   batch_tokens=2048, warmup_steps=5, dtype="float64", progress=False,
+                                   regenerate=True, regen_max_tokens=48, heldout_fraction=0.1, snapshots=0,
+                                   noise=0.02), log=lambda m: None)
+    hist = card["history"]
+    assert hist[-1]["heldout_loss"] <= 0.5 * hist[0]["heldout_loss"]
+    random_head = write_eagle_head(str(tmp_path / "random"), tiny_llama[0])
+    prompts = [[random.Random(i).randrange(3, 300) for _ in range(8)] for i in range(6)]
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    spec = SpecConfig("eagle2", total_tokens=16, depth=5, top_k=3)
+
+    def acceptance(head):
+        llm = LLM(tiny_llama[0], dtype="float64", device="cpu", kv_cache_tokens=4096, block_size=4, draft=head,
+                  spec=spec, tree_budget=False)
+        outs = llm.generate(prompts, params)
+        steps = sum(o.spec.verify_steps for o in outs)
+        return (sum(o.spec.accepted_tokens for o in outs) + steps) / steps
+
+    trained, rnd = acceptance(out), acceptance(random_head)
+    assert trained >= rnd + 0.5, (trained, rnd)
