@@ -67,7 +67,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="bfloat16", help="for ours and hf")
     ap.add_argument("--draft", default=None, help="EAGLE head directory (eagle1/eagle2 skipped without)")
     ap.add_argument("--ngram", default="4x3,8x7", help="ngram configs, total_tokens x depth")
-    ap.add_argument("--eagle2", default="24x5x4", help="eagle2 total_tokens x depth [x top_k]")
+    ap.add_argument("--eagle2", default="24x5x4", help="eagle2 shapes, comma-separated total_tokens x depth [x top_k]")
+    ap.add_argument("--budget", default=None, help="also eagle2 with the load-aware tree budget, up to this shape")
+    ap.add_argument("--full-vocab", action="store_true",
+                    help="also each eagle2 shape with the head's reduced draft vocabulary switched off")
     ap.add_argument("--prompts", type=int, default=10, help="per prompt set")
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--sweep", action="store_true")
@@ -145,10 +148,13 @@ def phase_snapshot(timings) -> tuple[float, float, float, int]:
     return timings.draft, timings.verify, timings.accept, timings.steps
 
 
-def spec_system(spec: SpecConfig, args) -> bd.System:
-    """Our engine with `spec`; run() adds the request's spec counters and phase seconds."""
+def spec_system(spec: SpecConfig, args, budget: bool = False, full_vocab: bool = False) -> bd.System:
+    """Our engine with `spec` (a fixed tree, or the tree budget); run() adds the request's spec
+    counters and phase seconds."""
     llm = LLM(None, dtype=args.dtype, spec=spec, draft=args.draft if spec.uses_head else None,
-              kv_cache_tokens=KV_CACHE_TOKENS)
+              kv_cache_tokens=KV_CACHE_TOKENS, tree_budget=budget)
+    if full_vocab:
+        llm.runner.drafter.head.lm_head = None  # rank the whole vocabulary through the target's LM head
     eos = set(llm.runner.loaded.eos_token_ids)
 
     def run(prompt, max_new):
@@ -166,8 +172,10 @@ def spec_system(spec: SpecConfig, args) -> bd.System:
         return r
 
     info = {"spec": {k: getattr(spec, k) for k in ("method", "total_tokens", "depth", "top_k")},
-            "max_depth": spec.max_depth, "draft": llm.engine_config.draft, "eos_token_ids": sorted(eos)}
-    return bd.System(spec_name(spec), "ours", args.dtype, run, info)
+            "max_depth": spec.max_depth, "draft": llm.engine_config.draft, "eos_token_ids": sorted(eos),
+            "tree_budget": budget, "full_vocab": full_vocab, "cost_profile": llm.cost_profile}
+    name = spec_name(spec) + ("-budget" if budget else "") + ("-fullvocab" if full_vocab else "")
+    return bd.System(name, "ours", args.dtype, run, info)
 
 
 def method_specs(args) -> list[SpecConfig]:
@@ -179,14 +187,20 @@ def method_specs(args) -> list[SpecConfig]:
         print(f"note: no --draft EAGLE head given; skipping {', '.join(heads)}")
     elif heads:
         specs += [SpecConfig("eagle1")] if "eagle1" in heads else []
-        specs += [spec_from_shape("eagle2", args.eagle2)] if "eagle2" in heads else []
+        specs += [spec_from_shape("eagle2", shape) for shape in args.eagle2.split(",") if shape] \
+            if "eagle2" in heads else []
     return specs
 
 
 def build_systems(args, eos_id: int) -> list[bd.System]:
     if REF not in args.methods:
         raise SystemExit(f"--methods must include {REF} (the reference)")
-    systems = [spec_system(spec, args) for spec in method_specs(args)]
+    specs = method_specs(args)
+    systems = [spec_system(spec, args) for spec in specs]
+    if args.full_vocab and args.draft:
+        systems += [spec_system(spec, args, full_vocab=True) for spec in specs if spec.method == "eagle2"]
+    if args.budget and args.draft:
+        systems.append(spec_system(spec_from_shape("eagle2", args.budget), args, budget=True))
     if "hf" in args.methods or "llamacpp" in args.methods:
         bd.build_hf_dir(args.hf_dir)  # convert_gguf.sh reads it too
     if "hf" in args.methods:
@@ -203,7 +217,7 @@ def sweep_specs(args) -> list[SpecConfig]:
     specs = [SpecConfig("ngram", total_tokens=min(t for t, dd in grid if dd == d), depth=d)
              for d in ngram_depths]
     if args.draft and "eagle2" in args.methods:
-        top_k = spec_from_shape("eagle2", args.eagle2).top_k  # the main run's
+        top_k = spec_from_shape("eagle2", args.eagle2.split(",")[0]).top_k  # the main run's
         specs += [SpecConfig("eagle2", total_tokens=t, depth=d, top_k=top_k) for t, d in grid]
     return specs
 
@@ -256,6 +270,9 @@ def spec_summary(rs: list[dict]) -> dict:
             "mean_tok_per_forward": statistics.mean(r["tok_per_forward"] for r in rs),
             "accepted_per_depth": sum_lists([r["accepted_per_depth"] for r in rs]),
             "verify_steps": steps, "draft_tokens": sum(r["draft_tokens"] for r in rs), "accepted_tokens": acc,
+            "ms_per_round": {k: 1000 * v / max(1, sum(r["forwards"] for r in rs)) for k, v in
+                             (("draft", draft), ("verify", verify), ("accept", sum(r["accept_s"] for r in rs)),
+                              ("other", wall - draft - verify - sum(r["accept_s"] for r in rs)))},
             "share_draft": draft / wall, "share_verify": verify / wall,
             "share_accept": sum(r["accept_s"] for r in rs) / wall, "share_other": 1 - (draft + verify) / wall}
 

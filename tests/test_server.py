@@ -345,3 +345,26 @@ def test_real_default_model_chat(tmp_path):
         assert streamed == r.choices[0].message.content
     finally:
         srv.stop()
+
+
+def test_serve_flags_from_environment(monkeypatch):
+    from server.cli import build_parser
+    monkeypatch.setenv("EAGLE_SERVE_PORT", "9123")
+    monkeypatch.setenv("EAGLE_SERVE_HOST", "0.0.0.0")
+    monkeypatch.setenv("EAGLE_SERVE_FIXED_TREE", "true")
+    monkeypatch.setenv("EAGLE_SERVE_MAX_NUM_SEQS", "7")
+    args = build_parser().parse_args(["serve"])
+    assert (args.port, args.host, args.fixed_tree, args.max_num_seqs) == (9123, "0.0.0.0", True, 7)
+    assert build_parser().parse_args(["serve", "--port", "1"]).port == 1  # the command line wins
+
+
+def test_serve_draft_resolution(tmp_path):
+    from engine.default_model import default_draft_path
+    from server.cli import build_parser, resolve_draft
+    p = build_parser()
+    assert resolve_draft(p.parse_args(["serve"])) == default_draft_path()  # the shipped head, if any
+    assert resolve_draft(p.parse_args(["serve", "--draft", "none"])) is None
+    assert resolve_draft(p.parse_args(["serve", "--model", str(tmp_path)])) is None
+    assert resolve_draft(p.parse_args(["serve", "--spec", "ngram"])) is None
+    with pytest.raises(ValueError):
+        resolve_draft(p.parse_args(["serve", "--model", str(tmp_path), "--draft", "default"]))

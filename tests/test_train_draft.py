@@ -139,30 +139,38 @@ def test_reduced_draft_vocab_is_saved_and_used(tiny_llama, tmp_path):
 
 @pytest.mark.slow
 def test_trained_head_beats_a_random_head(tmp_path):
-    """Learnable structure: a one-layer tiny target (which a one-layer head can imitate) and its
-    own greedy answers (--regenerate). A briefly trained head must reach an acceptance length
-    >= a random head's + 0.5 and at least halve the held-out loss."""
+    """Learnable structure: a one-layer tiny target whose attention and MLP outputs are zeroed,
+    so its next token is a function of the current one (a bigram chain a head can learn), and
+    its own greedy answers as data (--regenerate). A briefly trained head must reach an
+    acceptance length >= a random head's + 0.5 and at least halve the held-out loss."""
     from tests.conftest import write_tiny_model
     target = str(tmp_path / "target")
-    write_tiny_model(target, layers=1, seed=3)
-    tiny_llama = (target, None)
+    model = write_tiny_model(target, layers=1, seed=3)
+    with torch.no_grad():
+        model.model.layers[0].self_attn.o_proj.weight.zero_()
+        model.model.layers[0].mlp.down_proj.weight.zero_()
+    model.save_pretrained(target)
     data = write_jsonl(tmp_path / "d.jsonl", 160, seed=5)
     out = str(tmp_path / "head")
-    card = train_draft(TrainConfig(model=tiny_llama[0], out=out, data=data, max_len=160, epochs=30, lr=5e-3,
+    card = train_draft(TrainConfig(model=target, out=out, data=data, max_len=160, epochs=30, lr=5e-3,
                                    batch_tokens=2048, warmup_steps=5, dtype="float64", progress=False,
                                    regenerate=True, regen_max_tokens=48, heldout_fraction=0.1, snapshots=0,
                                    noise=0.02), log=lambda m: None)
     hist = card["history"]
     assert hist[-1]["heldout_loss"] <= 0.5 * hist[0]["heldout_loss"]
-    random_head = write_eagle_head(str(tmp_path / "random"), tiny_llama[0])
-    prompts = [[random.Random(i).randrange(3, 300) for _ in range(8)] for i in range(6)]
+    random_head = write_eagle_head(str(tmp_path / "random"), target)
+    plain = LLM(target, dtype="float64", device="cpu", kv_cache_tokens=1024, block_size=4)
+    rng = random.Random(7)
+    prompts = [plain.tokenizer.encode_chat([{"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(5))}])
+               for _ in range(6)]  # held-out prompts shaped like the training data
     params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
     spec = SpecConfig("eagle2", total_tokens=16, depth=5, top_k=3)
 
     def acceptance(head):
-        llm = LLM(tiny_llama[0], dtype="float64", device="cpu", kv_cache_tokens=4096, block_size=4, draft=head,
+        llm = LLM(target, dtype="float64", device="cpu", kv_cache_tokens=4096, block_size=4, draft=head,
                   spec=spec, tree_budget=False)
         outs = llm.generate(prompts, params)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in plain.generate(prompts, params)]
         steps = sum(o.spec.verify_steps for o in outs)
         return (sum(o.spec.accepted_tokens for o in outs) + steps) / steps
 

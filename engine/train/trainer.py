@@ -122,7 +122,7 @@ def regenerate(cfg: TrainConfig, convs: list[list[dict]], log) -> list[list[dict
     done = []
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
-            done = [json.loads(line) for line in f if line.strip()]
+            done = [json.loads(line)["messages"] for line in f if line.strip()]
     if len(done) >= len(convs):
         return done[:len(convs)]
     llm = LLM(cfg.model, dtype=cfg.dtype, max_num_seqs=64, kv_cache_tokens=64 * (cfg.regen_max_prompt + cfg.regen_max_tokens + 32))

@@ -1,0 +1,290 @@
+#!/usr/bin/env python
+"""Concurrency sweep of the serving stack: speculation on vs off, in-process and over HTTP.
+
+For every concurrency C (default 1, 2, 4, 8, 16, 32), C clients each send requests back to back
+until max(2C, --min-requests) requests are done; prompts alternate between MT-bench first turns
+and ShareGPT first user turns (from the end of the packaged split, away from the conversations
+the default head was trained on), all through the chat template; greedy, --max-new new tokens.
+Each (C, repetition) runs both engines, in an order that alternates between repetitions, so
+machine drift hits both alike. Two transports:
+  inproc  the scheduler's async API (scheduler.async_engine.AsyncEngine.generate)
+  http    the OpenAI server (uvicorn on 127.0.0.1, streaming, the official `openai` SDK)
+Engines: "on" = the embedded default model with its shipped head (EAGLE-2, load-aware tree
+budget); "off" = the same model with --spec none. Both stay loaded for the whole run.
+
+Per run: aggregate tok/s (completion tokens / wall), p50/p99 time to first token and
+inter-token latency (per token: a streamed burst of k tokens after a gap g counts k gaps g/k).
+Speedup on/off = median over repetitions of the per-repetition ratio.
+
+    .venv/bin/python bench/bench_serve.py                         # full sweep (~25 min)
+    .venv/bin/python bench/bench_serve.py --concurrency 1,4 --reps 1 --transports inproc
+Writes --out (bench/results/serve.json) and a .png next to it.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import sys
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import bench_decode as bd  # noqa: E402  (puts the project root on sys.path)
+import torch  # noqa: E402
+
+from engine.default_model import default_draft_path  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.spec.config import SpecConfig  # noqa: E402
+from scheduler.async_engine import AsyncEngine  # noqa: E402
+from server.llm import LLM  # noqa: E402
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--concurrency", default="1,2,4,8,16,32")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--min-requests", type=int, default=8)
+    ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument("--transports", default="inproc,http")
+    ap.add_argument("--draft", default=None, help="EAGLE head (default: the shipped head)")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--kv-cache-tokens", type=int, default=65536)
+    ap.add_argument("--prompts", type=int, default=32, help="per set")
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "serve.json"))
+    return ap.parse_args(argv)
+
+
+def load_prompts(n: int) -> list[dict]:
+    tok = bd.our_tokenizer()
+    qs, _ = bd.load_questions(bd.mtbench_wheel(None), 80)
+    mt = [bd.make_prompt(tok, q) for q in qs][:n]
+    from engine.train.data import _read_sharegpt, normalise
+    convs = []
+    for item in _read_sharegpt():
+        c = normalise(item)
+        if c:
+            convs.append(c)
+    sg = []
+    for c in reversed(convs):  # the end of the split: the head was trained on the first conversations
+        first = c[0] if c[0]["role"] == "user" else (c[1] if len(c) > 1 else None)
+        if first is None or first["role"] != "user":
+            continue
+        ids = tok.encode_chat([first])
+        if 8 <= len(ids) <= 512:
+            sg.append({"qid": f"sg{len(sg)}", "ids": ids})
+        if len(sg) >= n:
+            break
+    return [p for pair in zip(mt, sg) for p in pair]
+
+
+def pct(xs, q):
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+# ---------------------------------------------------------------- transports
+
+class InProc:
+    def __init__(self, llm):
+        self.llm = llm
+        self.engine = AsyncEngine(llm.loop)
+
+    async def start(self):
+        await self.engine.start()
+
+    async def stop(self):
+        await self.engine.stop()
+
+    async def request(self, ids, max_new):
+        t0 = time.perf_counter()
+        events, n = [], 0
+        async for out in self.engine.generate(ids, SamplingParams(max_tokens=max_new, temperature=0)):
+            k = len(out.token_ids) - n
+            if k > 0:
+                events.append((time.perf_counter() - t0, k))
+                n = len(out.token_ids)
+        return events, n
+
+
+class Http:
+    def __init__(self, llm):
+        import uvicorn
+        from server.app import ServerState, create_app
+        self.state = ServerState(llm, served_model_name="m", max_waiting=10000)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(create_app(self.state), host="127.0.0.1", port=self.port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    async def start(self):
+        import openai
+        self.thread.start()
+        while not self.server.started:
+            await asyncio.sleep(0.05)
+        self.client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="x", max_retries=0,
+                                         timeout=600)
+
+    async def stop(self):
+        await self.client.close()
+        self.server.should_exit = True
+        await asyncio.to_thread(self.thread.join, 30)
+
+    async def request(self, ids, max_new):
+        t0 = time.perf_counter()
+        events, n = [], 0
+        stream = await self.client.completions.create(model="m", prompt=ids, max_tokens=max_new, temperature=0,
+                                                      stream=True, stream_options={"include_usage": True})
+        async for chunk in stream:
+            if chunk.usage is not None:
+                n = chunk.usage.completion_tokens
+            elif chunk.choices and chunk.choices[0].text:
+                events.append((time.perf_counter() - t0, 1))
+        # text chunks may merge tokens; spread the count over the chunks for the ITL estimate
+        if events and n:
+            k = n / len(events)
+            events = [(t, k) for t, _ in events]
+        return events, n
+
+
+async def run_load(transport, prompts, conc: int, n_req: int, max_new: int, offset: int) -> dict:
+    queue = list(range(n_req))
+    ttft, itl, tokens = [], [], 0
+
+    async def worker():
+        nonlocal tokens
+        while queue:
+            i = queue.pop()
+            p = prompts[(offset + i) % len(prompts)]
+            events, n = await transport.request(p["ids"], max_new)
+            tokens += n
+            if events:
+                ttft.append(events[0][0])
+                prev = events[0][0]
+                for t, k in events[1:]:
+                    itl.extend([(t - prev) / k] * max(1, round(k)))
+                    prev = t
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(conc)))
+    wall = time.perf_counter() - t0
+    return {"tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "requests": n_req,
+            "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99), "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99)}
+
+
+async def sweep(args, engines: dict, prompts) -> list[dict]:
+    rows = []
+    concs = [int(c) for c in args.concurrency.split(",")]
+    for transport_name in args.transports.split(","):
+        transports = {name: (InProc if transport_name == "inproc" else Http)(llm) for name, llm in engines.items()}
+        for t in transports.values():
+            await t.start()
+        try:
+            for t in transports.values():  # warm-up
+                await run_load(t, prompts, 2, 2, 16, 0)
+            for conc in concs:
+                n_req = max(2 * conc, args.min_requests)
+                for rep in range(args.reps):
+                    order = list(transports) if rep % 2 == 0 else list(reversed(transports))
+                    for name in order:
+                        r = await run_load(transports[name], prompts, conc, n_req, args.max_new, offset=rep * 7)
+                        r.update(transport=transport_name, engine=name, concurrency=conc, rep=rep)
+                        rows.append(r)
+                        print(f"{transport_name} c={conc} rep={rep} {name}: {r['tok_s']:.1f} tok/s, "
+                              f"ttft p50 {r['ttft_p50']:.3f}s, itl p50 {r['itl_p50'] or 0:.4f}s", flush=True)
+        finally:
+            for t in transports.values():
+                await t.stop()
+    return rows
+
+
+def summarize(rows):
+    out = {}
+    for tr in dict.fromkeys(r["transport"] for r in rows):
+        out[tr] = {}
+        for c in sorted({r["concurrency"] for r in rows if r["transport"] == tr}):
+            rs = [r for r in rows if r["transport"] == tr and r["concurrency"] == c]
+            reps = sorted({r["rep"] for r in rs})
+            ratios = []
+            for rep in reps:
+                on = [r for r in rs if r["rep"] == rep and r["engine"] == "on"]
+                off = [r for r in rs if r["rep"] == rep and r["engine"] == "off"]
+                if on and off:
+                    ratios.append(on[0]["tok_s"] / off[0]["tok_s"])
+            entry = {"on_off_ratio_median": statistics.median(ratios) if ratios else None, "ratios": ratios}
+            for eng in ("on", "off"):
+                es = [r for r in rs if r["engine"] == eng]
+                entry[eng] = {k: statistics.median([r[k] for r in es if r[k] is not None] or [0])
+                              for k in ("tok_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99")}
+            out[tr][c] = entry
+    return out
+
+
+def plot(path, summary) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, len(summary), figsize=(6 * len(summary), 4.5), squeeze=False)
+    for ax, (tr, s) in zip(axes[0], summary.items()):
+        cs = sorted(s)
+        for eng, label in (("on", "EAGLE-2 + tree budget"), ("off", "no speculation")):
+            ax.plot(cs, [s[c][eng]["tok_s"] for c in cs], marker="o", label=label)
+        for c in cs:
+            ax.annotate(f"{s[c]['on_off_ratio_median']:.2f}x", (c, s[c]["on"]["tok_s"]), fontsize=7,
+                        textcoords="offset points", xytext=(0, 6), ha="center")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(cs, [str(c) for c in cs])
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel("aggregate tok/s (median of reps)")
+        ax.set_title(f"{tr}: SmolLM2-135M, 2 CPU cores, greedy")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    draft = args.draft or default_draft_path()
+    if draft is None:
+        raise SystemExit("no draft head: pass --draft DIR")
+    prompts = load_prompts(args.prompts)
+    common = dict(dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens)
+    engines = {"on": LLM(None, draft=draft, spec=SpecConfig("eagle2"), **common),
+               "off": LLM(None, spec=SpecConfig("none"), **common)}
+    print("cost profile (on):", json.dumps(engines["on"].cost_profile))
+    source = bd.source_digest()
+    rows = asyncio.run(sweep(args, engines, prompts))
+    summary = summarize(rows)
+    for tr, s in summary.items():
+        print(f"\n{tr}\n| concurrency | on tok/s | off tok/s | on/off (median of reps) | TTFT p50 on/off | ITL p50 on/off |")
+        print("|---|---|---|---|---|---|")
+        for c, e in s.items():
+            print(f"| {c} | {e['on']['tok_s']:.1f} | {e['off']['tok_s']:.1f} | {e['on_off_ratio_median']:.2f} | "
+                  f"{e['on']['ttft_p50']:.3f} / {e['off']['ttft_p50']:.3f} | "
+                  f"{e['on']['itl_p50']:.4f} / {e['off']['itl_p50']:.4f} |")
+    result = {"config": vars(args), "draft": draft, "torch_threads": torch.get_num_threads(),
+              "cost_profile_on": engines["on"].cost_profile, "summary": summary, "rows": rows,
+              "source_digest": source, "source_changed": source != bd.source_digest(), "git_head": bd.git_head()}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    png = os.path.splitext(args.out)[0] + ".png"
+    print("wrote", args.out, png if plot(png, summary) else "")
+
+
+if __name__ == "__main__":
+    main()
