@@ -1,0 +1,82 @@
+#!/usr/bin/env python
+"""Acceptance length of a draft head against the training tokens it had seen.
+
+Every snapshot a `eagle-serve train-draft` run saved (RUN/snapshots/tokens_*) and the final
+head (RUN) decode the same MT-bench first turns (chat template, greedy, --max-new tokens) with
+EAGLE-2 at EAGLE-2's standard tree (total_tokens 60, depth 6, top_k 10, fixed: no budget);
+acceptance length = (accepted + verify steps) / verify steps, pooled over the prompts.
+
+    .venv/bin/python bench/bench_head_curve.py --run /path/to/train-run
+Writes --out (bench/results/head_curve.json) and a .png next to it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import bench_decode as bd  # noqa: E402
+
+from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.spec.config import SpecConfig  # noqa: E402
+from server.llm import LLM  # noqa: E402
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--run", required=True, help="train-draft output directory")
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--max-new", type=int, default=64)
+    ap.add_argument("--tree", default="60x6x10")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "head_curve.json"))
+    args = ap.parse_args(argv)
+    t, d, k = (int(x) for x in args.tree.split("x"))
+    tok = bd.our_tokenizer()
+    qs, _ = bd.load_questions(bd.mtbench_wheel(None), 10)
+    prompts = [bd.make_prompt(tok, q)["ids"] for q in qs[:args.prompts]]
+    snaps = os.path.join(args.run, "snapshots")
+    heads = sorted((int(n.split("_")[1]), os.path.join(snaps, n)) for n in os.listdir(snaps)) if os.path.isdir(snaps) else []
+    with open(os.path.join(args.run, "card.json")) as f:
+        card = json.load(f)
+    heads.append((card["train_tokens_seen"], args.run))
+    params = SamplingParams(max_tokens=args.max_new, temperature=0)
+    points = []
+    for tokens, path in heads:
+        llm = LLM(None, dtype=args.dtype, draft=path, spec=SpecConfig("eagle2", total_tokens=t, depth=d, top_k=k),
+                  tree_budget=False, kv_cache_tokens=8192)
+        outs = llm.generate(prompts, params)
+        steps = sum(o.spec.verify_steps for o in outs)
+        acc = sum(o.spec.accepted_tokens for o in outs)
+        points.append({"train_tokens": tokens, "head": path, "acceptance_length": (acc + steps) / steps,
+                       "verify_steps": steps, "accepted_tokens": acc})
+        print(f"{tokens:>10d} training tokens: acceptance length {(acc + steps) / steps:.3f}", flush=True)
+        del llm
+    result = {"config": vars(args), "points": points, "card_heldout_top1": card.get("heldout_top1")}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot([p["train_tokens"] / 1e6 for p in points], [p["acceptance_length"] for p in points], marker="o")
+        ax.set_xlabel("training tokens seen (millions; epochs included)")
+        ax.set_ylabel(f"acceptance length (tree {args.tree})")
+        ax.set_title(f"SmolLM2-135M head, {len(prompts)} MT-bench prompts, greedy, {args.max_new} tokens")
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        png = os.path.splitext(args.out)[0] + ".png"
+        fig.savefig(png, dpi=110)
+        print("wrote", args.out, png)
+    except ImportError:
+        print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()
