@@ -145,9 +145,10 @@ def cmd_generate(args) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.sampling_top_k, seed=args.seed, ignore_eos=args.ignore_eos)
     draft = resolve_draft(args)
+    kwargs = {**engine_kwargs(args), "max_num_seqs": 1}  # one prompt: profile the tree budget for one sequence
     llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_cache_tokens=args.kv_cache_tokens,
               max_model_len=args.max_model_len, block_size=args.block_size, draft=draft,
-              spec=spec_config(args, draft), **engine_kwargs(args))
+              spec=spec_config(args, draft), **kwargs)
     if args.chat:
         prompt = llm.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
     else:
