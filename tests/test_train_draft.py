@@ -176,3 +176,20 @@ def test_trained_head_beats_a_random_head(tmp_path):
 
     trained, rnd = acceptance(out), acceptance(random_head)
     assert trained >= rnd + 0.5, (trained, rnd)
+
+
+def test_regeneration_keeps_ids_and_resumes(tiny_llama, tmp_path, monkeypatch):
+    from engine.train import trainer
+    convs = load_conversations(str(write_jsonl(tmp_path / "d.jsonl", 3, seed=4, turns=2)))
+    cfg = TrainConfig(model=tiny_llama[0], out=str(tmp_path / "o"), data="x", regenerate=True, regen_max_tokens=6,
+                      dtype="float64", progress=False, max_len=64, batch_tokens=64)
+    os.makedirs(cfg.out)
+    first = trainer.regenerate(cfg, convs, log=lambda m: None)
+    answers = [m for c in first for m in c if m["role"] == "assistant"]
+    assert len(answers) == 6 and all(1 <= len(m["token_ids"]) <= 6 for m in answers)
+    llm = LLM(tiny_llama[0], dtype="float64", device="cpu", kv_cache_tokens=1024, block_size=4)
+    ex = render(llm.tokenizer, first[0], max_len=1000)
+    turn = first[0][1]["token_ids"]
+    assert any(ex.ids[i:i + len(turn)] == turn for i in range(len(ex.ids)))  # the ids themselves, not re-encoded
+    monkeypatch.setattr("server.llm.LLM", lambda *a, **k: (_ for _ in ()).throw(AssertionError("regenerated again")))
+    assert trainer.regenerate(cfg, convs, log=lambda m: None) == first  # resumed from regenerated.jsonl
