@@ -70,7 +70,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--eagle2", default="24x5x4", help="eagle2 shapes, comma-separated total_tokens x depth [x top_k]")
     ap.add_argument("--budget", default=None, help="also eagle2 with the load-aware tree budget, up to this shape")
     ap.add_argument("--full-vocab", action="store_true",
-                    help="also each eagle2 shape with the head's reduced draft vocabulary switched off")
+                    help="also the first eagle2 shape with the head's reduced draft vocabulary switched off")
     ap.add_argument("--prompts", type=int, default=10, help="per prompt set")
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--sweep", action="store_true")
@@ -198,7 +198,7 @@ def build_systems(args, eos_id: int) -> list[bd.System]:
     specs = method_specs(args)
     systems = [spec_system(spec, args) for spec in specs]
     if args.full_vocab and args.draft:
-        systems += [spec_system(spec, args, full_vocab=True) for spec in specs if spec.method == "eagle2"]
+        systems += [spec_system(spec, args, full_vocab=True) for spec in specs if spec.method == "eagle2"][:1]
     if args.budget and args.draft:
         systems.append(spec_system(spec_from_shape("eagle2", args.budget), args, budget=True))
     if "hf" in args.methods or "llamacpp" in args.methods:
