@@ -164,6 +164,9 @@ class ModelRunner:
         depths = [min(self.spec.max_depth, s.max_new_tokens - 1,
                       self.spec.max_depth if s.tree_tokens is None else s.tree_tokens - 1) for s in steps]
         decoding = [i for i, s in enumerate(steps) if len(s.token_ids) == 1 and s.num_cached > 0 and depths[i] > 0]
+        idle = [s for i, s in enumerate(steps) if len(s.token_ids) == 1 and s.num_cached > 0 and depths[i] <= 0]
+        if idle:
+            self.drafter.sync(idle)
         if decoding:
             proposed = self.drafter.propose([steps[i] for i in decoding], [depths[i] for i in decoding])
             for i, tree in zip(decoding, proposed):

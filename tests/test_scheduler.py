@@ -247,3 +247,40 @@ def test_startup_profiler_runs_on_a_tiny_model(tiny_llama, head_dir):
     fixed = LLM(tiny_llama[0], **KW, kv_cache_tokens=2048)
     assert llm.generate([5, 6, 7, 8], params)[0].token_ids == fixed.generate([5, 6, 7, 8], params)[0].token_ids
     assert llm.loop.scheduler.budget is llm.budget
+
+
+class AlternatingBudget:
+    """Speculate every other round: idle rounds must keep the head's state in sync."""
+
+    def __init__(self):
+        self.rounds = 0
+
+    def choose(self, confidences, caps, prefill_tokens=0):
+        self.rounds += 1
+        return [8 if self.rounds % 2 else 1 for _ in confidences]
+
+    def observe(self, *args):
+        pass
+
+
+def test_rounds_without_drafting_keep_the_head_in_sync(tiny_llama, head_dir):
+    reqs = workload(4, seed=3)
+    ref = one_at_a_time(LLM(tiny_llama[0], **KW, kv_cache_tokens=4096), reqs)
+    llm = LLM(tiny_llama[0], **KW, kv_cache_tokens=4096, draft=head_dir, tree_budget=False,
+              spec=SpecConfig("eagle2", total_tokens=8, depth=4, top_k=3))
+    llm.loop.scheduler.budget = AlternatingBudget()
+    drafter = llm.runner.drafter
+    backlog, seen = [], set()
+    real = drafter.propose
+
+    def propose(steps, depths):
+        for s in steps:
+            if s.seq_id in drafter.states and s.seq_id in seen:  # the first round consumes the prompt
+                backlog.append(len(drafter.states[s.seq_id].tokens))
+            seen.add(s.seq_id)
+        return real(steps, depths)
+    drafter.propose = propose
+    outs = llm.generate([p for p, _ in reqs], [sp for _, sp in reqs])
+    assert [o.token_ids for o in outs] == ref
+    assert sum(o.spec.verify_steps for o in outs) > 0
+    assert max(backlog) <= 8  # at most one round's tokens pending, never a growing backlog

@@ -28,6 +28,9 @@ class Drafter(abc.ABC):
     def release(self, seq_id: int) -> None:
         pass
 
+    def sync(self, steps: list[SeqStep]) -> None:
+        """Bring state up to date for decoding sequences that draft nothing this round."""
+
     def confidence(self, seq_id: int) -> tuple[float, ...]:
         """The last proposed tree's node confidences (estimated P(path accepted)), best first;
         () when the drafter has no such estimate."""

@@ -96,6 +96,21 @@ class EagleDrafter(Drafter):
             self._confidence[steps[i].seq_id] = tuple(math.exp(sc) for sc in scores[:MAX_CONFIDENCE])
         return trees
 
+    @torch.inference_mode()
+    def sync(self, steps: list[SeqStep]) -> None:
+        """Consume the pending pairs of sequences that do not draft this round. Without it a
+        sequence the tree budget leaves undrafted for a while piles up pairs, and the round that
+        drafts it again pays for the whole backlog at once (a prefill-sized head forward)."""
+        todo = [s for s in steps if self.states.get(s.seq_id) is not None and self.states[s.seq_id].tokens]
+        if not todo:
+            return
+        states = [self.states[s.seq_id] for s in todo]
+        spans = [SeqSpan(st.tokens, st.draft_len, s.block_table) for s, st in zip(todo, states)]
+        self._head_forward(spans, torch.cat([f for st in states for f in st.features]))
+        for st in states:
+            st.draft_len += len(st.tokens)
+            st.tokens, st.features = [], []
+
     def confidence(self, seq_id: int) -> tuple[float, ...]:
         return self._confidence.pop(seq_id, ())
 
