@@ -250,14 +250,14 @@ def test_startup_profiler_runs_on_a_tiny_model(tiny_llama, head_dir):
 
 
 class AlternatingBudget:
-    """Speculate every other round: idle rounds must keep the head's state in sync."""
+    """Speculate one round in nine: idle rounds must keep the head's backlog bounded."""
 
     def __init__(self):
         self.rounds = 0
 
     def choose(self, confidences, caps, prefill_tokens=0):
         self.rounds += 1
-        return [8 if self.rounds % 2 else 1 for _ in confidences]
+        return [8 if self.rounds % 9 == 0 else 1 for _ in confidences]
 
     def observe(self, *args):
         pass
@@ -283,4 +283,4 @@ def test_rounds_without_drafting_keep_the_head_in_sync(tiny_llama, head_dir):
     outs = llm.generate([p for p, _ in reqs], [sp for _, sp in reqs])
     assert [o.token_ids for o in outs] == ref
     assert sum(o.spec.verify_steps for o in outs) > 0
-    assert max(backlog) <= 8  # at most one round's tokens pending, never a growing backlog
+    assert max(backlog) <= 16 + 8  # bounded by SYNC_BACKLOG (+ one round), never a growing backlog
