@@ -26,10 +26,8 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import sys
-import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -116,28 +114,18 @@ class InProc:
 
 class Http:
     def __init__(self, llm):
-        import uvicorn
-        from server.app import ServerState, create_app
-        self.state = ServerState(llm, served_model_name="m", max_waiting=10000)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(create_app(self.state), host="127.0.0.1", port=self.port,
-                                                    log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.llm = llm
 
     async def start(self):
         import openai
-        self.thread.start()
-        while not self.server.started:
-            await asyncio.sleep(0.05)
-        self.client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="x", max_retries=0,
-                                         timeout=600)
+        from server.app import BackgroundServer, ServerState
+        state = ServerState(self.llm, served_model_name="m", max_waiting=10000)
+        self.background = await asyncio.to_thread(BackgroundServer, state)
+        self.client = openai.AsyncOpenAI(base_url=self.background.url + "/v1", api_key="x", max_retries=0, timeout=600)
 
     async def stop(self):
         await self.client.close()
-        self.server.should_exit = True
-        await asyncio.to_thread(self.thread.join, 30)
+        await asyncio.to_thread(self.background.stop)
 
     async def request(self, ids, max_new):
         t0 = time.perf_counter()

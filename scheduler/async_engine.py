@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from engine.sampling_params import SamplingParams
 from scheduler.loop import EngineLoop
-from scheduler.output_processor import RequestOutput, make_output
+from scheduler.output_processor import RequestOutput
 from scheduler.sequence import FinishReason
 
 
@@ -114,7 +114,7 @@ class AsyncEngine:
 
     def abort(self, seq_id: int) -> None:
         """Abort at the next iteration (its blocks are freed there)."""
-        if seq_id in self._streams or seq_id in self.engine._seqs:
+        if seq_id in self._streams or self.engine.has_request(seq_id):
             self._aborts.add(seq_id)
             if self._wake is not None:
                 self._wake.set()
@@ -164,27 +164,16 @@ class AsyncEngine:
         finally:
             self.busy_since = None
 
-    def _abort_now(self, seq_id: int) -> None:
-        seq, state = self.engine._seqs.get(seq_id), self.engine._text.get(seq_id)
-        self.engine.abort(seq_id)
+    def _abort_now(self, seq_id: int, reason: FinishReason = FinishReason.ABORT, error: str | None = None) -> None:
+        out = self.engine.abort(seq_id, reason, error)
         q = self._streams.pop(seq_id, None)
-        if seq is not None:
-            out = make_output(seq, state, "")
+        if out is not None:
             self._finished(out)
             if q is not None:
                 q.put_nowait(out)
 
     def _fail_head(self, error: Exception) -> None:
-        seq = self.engine.scheduler.waiting[0]
-        seq.error = str(error)
-        self.engine.scheduler.finish(seq, FinishReason.ERROR)
-        self.engine._seqs.pop(seq.seq_id, None)
-        self.engine._text.pop(seq.seq_id, None)
-        q = self._streams.pop(seq.seq_id, None)
-        out = make_output(seq, None, "")
-        self._finished(out)
-        if q is not None:
-            q.put_nowait(out)
+        self._abort_now(self.engine.scheduler.waiting[0].seq_id, FinishReason.ERROR, str(error))
 
     def _finished(self, out: RequestOutput) -> None:
         if self.on_finish is not None:

@@ -84,12 +84,19 @@ class EngineLoop:
         if any(t < 0 or t >= self.vocab_size for t in params.logit_bias):
             raise ValueError(f"logit_bias has a token id outside the vocabulary [0, {self.vocab_size})")
 
-    def abort(self, seq_id: int) -> None:
+    def has_request(self, seq_id: int) -> bool:
+        return seq_id in self._seqs
+
+    def abort(self, seq_id: int, reason: FinishReason = FinishReason.ABORT,
+              error: str | None = None) -> RequestOutput | None:
+        """End a request now (its blocks are freed); returns its final output, None if unknown."""
         seq = self._seqs.pop(seq_id, None)
-        if seq is not None:
-            self.scheduler.finish(seq, FinishReason.ABORT)
-            self.executor.release(seq_id)
-            self._text.pop(seq_id, None)
+        if seq is None:
+            return None
+        seq.error = error
+        self.scheduler.finish(seq, reason)
+        self.executor.release(seq_id)
+        return make_output(seq, self._text.pop(seq_id, None), "")
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return an output for every sequence that changed."""

@@ -48,7 +48,6 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0  # total, for metrics and tests
-        self.last_tree_tokens: list[int] = []  # the budget's choice in the latest step, per decoding sequence
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -129,7 +128,6 @@ class Scheduler:
 
     def _choose_trees(self, scheduled: list[Sequence]) -> None:
         decoding = [s for s in scheduled if s.num_scheduled == 1 and s.table.num_committed > 0]
-        self.last_tree_tokens = []
         if self.spec_tokens <= 1 or not decoding:
             return
         caps = [self.max_new_tokens(s) for s in decoding]
@@ -140,7 +138,6 @@ class Scheduler:
             sizes = self.budget.choose([s.draft_confidence for s in decoding], caps, prefill)
         for s, size in zip(decoding, sizes):
             s.tree_tokens = size  # None: the engine's configured tree
-        self.last_tree_tokens = [s.tree_tokens for s in decoding]
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -195,7 +192,8 @@ class Scheduler:
                     if done is not None:
                         break
             # publish full blocks before a finish frees them: a later request may share them
-            self.allocator.register(seq.table, seq.block_hashes(bs, seq.table.num_committed))
+            if self.allocator.enable_prefix_caching:
+                self.allocator.register(seq.table, seq.block_hashes(bs, seq.table.num_committed))
             if done is not None:
                 self.finish(seq, *done)
 

@@ -43,6 +43,32 @@ class ServerState:
         self.created = int(time.time())
 
 
+class BackgroundServer:
+    """The app under uvicorn on a free loopback port, in a daemon thread (tests, benchmarks)."""
+
+    def __init__(self, state: ServerState, timeout: float = 30.0):
+        import socket
+        import threading
+        import uvicorn
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=self.port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + timeout
+        while not self.server.started:
+            if time.time() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
 def create_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app):
@@ -255,9 +281,12 @@ async def _collect(request: Request, state: ServerState, handle: Handle) -> list
         raise
     errors = [o for o in outs if o.finish_reason == "error"]
     if errors:
-        raise ApiError(500, f"the engine failed on this request: {errors[0].error}", code="engine_error",
-                       type_="server_error")
+        raise _engine_error(errors[0])
     return outs
+
+
+def _engine_error(out) -> ApiError:
+    return ApiError(500, f"the engine failed on this request: {out.error}", code="engine_error", type_="server_error")
 
 
 def _abort_all(state: ServerState, handle: Handle) -> None:
@@ -338,41 +367,51 @@ def _event(obj) -> dict:
     return {"data": json.dumps(obj, ensure_ascii=False)}
 
 
-async def _chat_stream(state: ServerState, handle: Handle, include_usage: bool):
-    base = {"id": f"chatcmpl-{handle.id}", "object": "chat.completion.chunk", "created": handle.created,
-            "model": state.model_name}
+async def _sse(state: ServerState, handle: Handle, include_usage: bool, base: dict, opening: list[dict],
+               choices_for):
+    """The stream of one request: `opening` choices first, then choices_for(i, out, new_ids,
+    new_logprobs) for every output of choice i, then the usage chunk and [DONE]. An error after
+    the stream began is sent as an error event and ends the stream."""
     usage_field = {"usage": None} if include_usage else {}
     tracker = _Tracker(state)
     sent = [0] * len(handle.seq_ids)
     finals = [None] * len(handle.seq_ids)
-    for i in range(len(handle.seq_ids)):
-        yield _event({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                           "logprobs": None, "finish_reason": None}], **usage_field})
+    for choice in opening:
+        yield _event({**base, "choices": [choice], **usage_field})
     try:
         async for i, out in _merged(state, handle):
             tracker.see(out)
             if out.finish_reason == "error":
-                yield _event({"error": ApiError(500, f"the engine failed on this request: {out.error}",
-                                                code="engine_error", type_="server_error").body()["error"]})
+                yield _event(_engine_error(out).body())
                 return
             new_ids = out.token_ids[sent[i]:]
             lps = out.logprobs[sent[i]:] if out.logprobs is not None else None
             sent[i] = len(out.token_ids)
-            if out.text_delta or lps:
-                choice = {"index": i, "delta": {"content": out.text_delta},
-                          "logprobs": _chat_logprobs(state, new_ids, lps) if lps is not None else None,
-                          "finish_reason": None}
+            for choice in choices_for(i, out, new_ids, lps):
                 yield _event({**base, "choices": [choice], **usage_field})
             if out.finished:
                 finals[i] = out
-                yield _event({**base, "choices": [{"index": i, "delta": {}, "logprobs": None,
-                                                   "finish_reason": out.finish_reason}], **usage_field})
     except ApiError as e:
         yield _event(e.body())
         return
     if include_usage:
         yield _event({**base, "choices": [], "usage": _usage(state, handle, finals)})
     yield {"data": "[DONE]"}
+
+
+def _chat_stream(state: ServerState, handle: Handle, include_usage: bool):
+    base = {"id": f"chatcmpl-{handle.id}", "object": "chat.completion.chunk", "created": handle.created,
+            "model": state.model_name}
+    opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+               for i in range(len(handle.seq_ids))]
+
+    def choices_for(i, out, new_ids, lps):
+        if out.text_delta or lps:
+            yield {"index": i, "delta": {"content": out.text_delta},
+                   "logprobs": _chat_logprobs(state, new_ids, lps) if lps is not None else None, "finish_reason": None}
+        if out.finished:
+            yield {"index": i, "delta": {}, "logprobs": None, "finish_reason": out.finish_reason}
+    return _sse(state, handle, include_usage, base, opening, choices_for)
 
 
 # ---------------------------------------------------------------------------- completions
@@ -405,41 +444,17 @@ def _completion_response(state: ServerState, handle: Handle, outs) -> dict:
             "model": state.model_name, "choices": choices, "usage": _usage(state, handle, outs)}
 
 
-async def _completion_stream(state: ServerState, handle: Handle, include_usage: bool):
+def _completion_stream(state: ServerState, handle: Handle, include_usage: bool):
     base = {"id": f"cmpl-{handle.id}", "object": "text_completion", "created": handle.created,
             "model": state.model_name}
-    usage_field = {"usage": None} if include_usage else {}
-    tracker = _Tracker(state)
-    sent = [0] * len(handle.seq_ids)
-    offsets = [0] * len(handle.seq_ids)
-    finals = [None] * len(handle.seq_ids)
-    if handle.echo:
-        for i, p in enumerate(handle.prompts):
-            text = _prompt_text(state, p)
-            offsets[i] = len(text)
-            yield _event({**base, "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": None}],
-                          **usage_field})
-    try:
-        async for i, out in _merged(state, handle):
-            tracker.see(out)
-            if out.finish_reason == "error":
-                yield _event({"error": ApiError(500, f"the engine failed on this request: {out.error}",
-                                                code="engine_error", type_="server_error").body()["error"]})
-                return
-            new_ids = out.token_ids[sent[i]:]
-            lps = out.logprobs[sent[i]:] if out.logprobs is not None else None
-            sent[i] = len(out.token_ids)
-            if out.text_delta or lps or out.finished:
-                lp_obj = _completion_logprobs(state, new_ids, lps, offsets[i]) if lps is not None else None
-                offsets[i] += len(out.text_delta)
-                yield _event({**base, "choices": [{"index": i, "text": out.text_delta, "logprobs": lp_obj,
-                                                   "finish_reason": out.finish_reason if out.finished else None}],
-                              **usage_field})
-            if out.finished:
-                finals[i] = out
-    except ApiError as e:
-        yield _event(e.body())
-        return
-    if include_usage:
-        yield _event({**base, "choices": [], "usage": _usage(state, handle, finals)})
-    yield {"data": "[DONE]"}
+    echoed = [_prompt_text(state, p) if handle.echo else "" for p in handle.prompts]
+    offsets = [len(t) for t in echoed]  # text_offset of the next token
+    opening = [{"index": i, "text": t, "logprobs": None, "finish_reason": None} for i, t in enumerate(echoed) if t]
+
+    def choices_for(i, out, new_ids, lps):
+        if out.text_delta or lps or out.finished:
+            lp_obj = _completion_logprobs(state, new_ids, lps, offsets[i]) if lps is not None else None
+            offsets[i] += len(out.text_delta)
+            yield {"index": i, "text": out.text_delta, "logprobs": lp_obj,
+                   "finish_reason": out.finish_reason if out.finished else None}
+    return _sse(state, handle, include_usage, base, opening, choices_for)

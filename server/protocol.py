@@ -135,6 +135,8 @@ def chat_inputs(req: ChatRequest) -> tuple[list[dict], int | None, int | None]:
         raise ApiError(400, "tools are not supported yet", "tools")
     if req.tool_choice not in (None, "none"):
         raise ApiError(400, "tool_choice is not supported yet", "tool_choice")
+    if req.parallel_tool_calls is False:  # only meaningful with tools; true is the default
+        raise ApiError(400, "parallel_tool_calls is not supported (no tools yet)", "parallel_tool_calls")
     if req.max_tokens is not None and req.max_completion_tokens is not None and req.max_tokens != req.max_completion_tokens:
         raise ApiError(400, "max_tokens and max_completion_tokens differ; give one", "max_completion_tokens")
     messages = []
@@ -142,6 +144,8 @@ def chat_inputs(req: ChatRequest) -> tuple[list[dict], int | None, int | None]:
         if m.role not in ("system", "user", "assistant", "developer"):
             raise ApiError(400, f"messages[{i}].role {m.role!r} is not supported (system, user, assistant)",
                            f"messages.{i}.role")
+        if m.name is not None:  # chat templates here have no place for it: refused, not dropped
+            raise ApiError(400, f"messages[{i}].name is not supported", f"messages.{i}.name")
         if isinstance(m.content, list):
             content = "".join(p.text for p in m.content)
         elif m.content is None:

@@ -41,34 +41,43 @@ def test_prepacked_linear_matches_f_linear(dtype, rows):
     torch.testing.assert_close(lin(x).float(), want, rtol=tol, atol=tol)
 
 
+H, Hkv, D, BS = 6, 2, 32, 4  # attention test shapes: GQA, blocks of 4
+
+
+def _twin_caches(n_blocks: int, dtype, gen):
+    """Two equal random KV caches (one per backend) and a shuffled block order."""
+    from engine.kv_cache import KVCache
+    kv_a = KVCache(1, n_blocks, BS, Hkv, D, dtype, torch.device("cpu"))
+    kv_a.data.copy_(torch.randn(kv_a.data.shape, generator=gen).to(dtype))
+    kv_b = KVCache(1, n_blocks, BS, Hkv, D, dtype, torch.device("cpu"))
+    kv_b.data.copy_(kv_a.data)
+    return kv_a, kv_b, torch.randperm(n_blocks, generator=gen).tolist()
+
+
+def _qkv(T: int, dtype, gen):
+    return (torch.randn(T, H, D, generator=gen).to(dtype), torch.randn(T, Hkv, D, generator=gen).to(dtype),
+            torch.randn(T, Hkv, D, generator=gen).to(dtype))
+
+
 @pytest.mark.skipif(native is None, reason="no AVX-512 bf16 CPU or no compiler")
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_native_paged_attention_matches_torch_backend(dtype, tol):
     """Packed batch: a decode, a tree and a short chunk, GQA, shuffled blocks, vs the torch path."""
     from engine.attention import NativeCPUAttention, TorchAttention
     from engine.forward_batch import SeqSpan, build_forward_batch
-    from engine.kv_cache import KVCache
     from engine.spec.tree import from_paths
     gen = torch.Generator().manual_seed(0)
-    H, Hkv, D, bs = 6, 2, 32, 4
-    kv_a = KVCache(1, 64, bs, Hkv, D, dtype, torch.device("cpu"))
-    kv_a.data.copy_(torch.randn(kv_a.data.shape, generator=gen).to(dtype))
-    kv_b = KVCache(1, 64, bs, Hkv, D, dtype, torch.device("cpu"))
-    kv_b.data.copy_(kv_a.data)
-    blocks = torch.randperm(64, generator=gen).tolist()
+    kv_a, kv_b, blocks = _twin_caches(64, dtype, gen)
     tree = from_paths(1, [[2, 3], [2, 4], [5]])
     spans = [SeqSpan([7], 13, blocks[:4]), SeqSpan(tree.tokens, 9, blocks[4:8], tree_mask=tree.ancestor_mask()),
              SeqSpan([1, 2, 3], 5, blocks[8:10])]
-    batch = build_forward_batch(spans, bs, torch.device("cpu"))
-    T = batch.input_ids.shape[0]
-    q = torch.randn(T, H, D, generator=gen).to(dtype)
-    k = torch.randn(T, Hkv, D, generator=gen).to(dtype)
-    v = torch.randn(T, Hkv, D, generator=gen).to(dtype)
-    want = TorchAttention(D ** -0.5).forward(q.double().to(dtype), k, v, 0, batch, kv_a).float()
+    batch = build_forward_batch(spans, BS, torch.device("cpu"))
+    q, k, v = _qkv(batch.input_ids.shape[0], dtype, gen)
+    want = TorchAttention(D ** -0.5).forward(q, k, v, 0, batch, kv_a).float()
     got = NativeCPUAttention(D ** -0.5, native).forward(q, k, v, 0, batch, kv_b).float()
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
     torch.testing.assert_close(kv_b.data, kv_a.data)  # the same KV written
-    single = build_forward_batch([SeqSpan([7], 13, blocks[:4])], bs, torch.device("cpu"))  # no mask at all
+    single = build_forward_batch([SeqSpan([7], 13, blocks[:4])], BS, torch.device("cpu"))  # no mask at all
     want = TorchAttention(D ** -0.5).forward(q[:1], k[:1], v[:1], 0, single, kv_a).float()
     got = NativeCPUAttention(D ** -0.5, native).forward(q[:1], k[:1], v[:1], 0, single, kv_b).float()
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
@@ -81,24 +90,15 @@ def test_mixed_prefill_and_decode_batch_matches_torch_backend(dtype, tol):
     packed with a decode, a tree and a fresh prompt: long ones alone, short ones native."""
     from engine.attention import NativeCPUAttention, TorchAttention
     from engine.forward_batch import SeqSpan, build_forward_batch
-    from engine.kv_cache import KVCache
     from engine.spec.tree import from_paths
     gen = torch.Generator().manual_seed(1)
-    H, Hkv, D, bs = 6, 2, 32, 4
-    kv_a = KVCache(1, 128, bs, Hkv, D, dtype, torch.device("cpu"))
-    kv_a.data.copy_(torch.randn(kv_a.data.shape, generator=gen).to(dtype))
-    kv_b = KVCache(1, 128, bs, Hkv, D, dtype, torch.device("cpu"))
-    kv_b.data.copy_(kv_a.data)
-    blocks = torch.randperm(128, generator=gen).tolist()
+    kv_a, kv_b, blocks = _twin_caches(128, dtype, gen)
     tree = from_paths(1, [[2, 3], [2, 4], [5]])
     spans = [SeqSpan([7], 13, blocks[:4]), SeqSpan(list(range(100)), 8, blocks[4:32]),
              SeqSpan(tree.tokens, 9, blocks[32:36], tree_mask=tree.ancestor_mask()),
              SeqSpan(list(range(70)), 0, blocks[36:54]), SeqSpan([1, 2, 3], 5, blocks[54:56])]
-    batch = build_forward_batch(spans, bs, torch.device("cpu"))
-    T = batch.input_ids.shape[0]
-    q = torch.randn(T, H, D, generator=gen).to(dtype)
-    k = torch.randn(T, Hkv, D, generator=gen).to(dtype)
-    v = torch.randn(T, Hkv, D, generator=gen).to(dtype)
+    batch = build_forward_batch(spans, BS, torch.device("cpu"))
+    q, k, v = _qkv(batch.input_ids.shape[0], dtype, gen)
     want = TorchAttention(D ** -0.5).forward(q, k, v, 0, batch, kv_a).float()
     got = NativeCPUAttention(D ** -0.5, native).forward(q, k, v, 0, batch, kv_b).float()
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)

@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import math
-import socket
-import threading
 import time
 
 import httpx2 as httpx
 import openai
 import pytest
-import uvicorn
 
 from engine.spec.config import SpecConfig
-from server.app import ServerState, create_app
+from server.app import BackgroundServer, ServerState
 from server.llm import LLM
 from tests.spec_helpers import write_eagle_head
 
@@ -22,19 +19,8 @@ from tests.spec_helpers import write_eagle_head
 class LiveServer:
     def __init__(self, llm, **state_kwargs):
         self.state = ServerState(llm, **state_kwargs)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(create_app(self.state), host="127.0.0.1", port=self.port,
-                                                    log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started:
-            if time.time() > deadline:
-                raise RuntimeError("server did not start")
-            time.sleep(0.02)
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.background = BackgroundServer(self.state)
+        self.url = self.background.url
 
     def client(self, **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
@@ -48,8 +34,7 @@ class LiveServer:
         return out
 
     def stop(self):
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
+        self.background.stop()
 
 
 @pytest.fixture(scope="module")
@@ -219,6 +204,9 @@ def test_errors_have_openai_shape_and_status(server, client):
     assert s == 400
     s, e = _error(lambda: client.chat.completions.create(model="tiny", messages=[{"role": "tool", "content": "x"}]))
     assert s == 400
+    s, e = _error(lambda: client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x",
+                                                                                  "name": "bob"}]))
+    assert s == 400 and e["param"] == "messages.0.name"
     s, e = _error(lambda: client.completions.create(model="tiny", prompt="hi", n=0))
     assert s == 400 and e["param"] == "n"
     big = httpx.post(server.url + "/v1/completions", content=b'{"model": "tiny", "prompt": "' + b"a" * (70 << 10) + b'"}',

@@ -102,8 +102,8 @@ class EagleDrafter(Drafter):
         """Consume the pending pairs of sequences that do not draft this round once SYNC_BACKLOG
         have piled up. Without it a sequence the tree budget leaves undrafted for a while piles up
         pairs, and the round that drafts it again pays for the whole backlog at once (a
-        prefill-sized head forward); syncing every round instead costs a head forward per token
-        (~12% of a plain step on the 2-core CPU), while 16 pairs cost about what one does."""
+        prefill-sized head forward); syncing every round instead costs a head forward per token,
+        while 16 pairs cost about what one does."""
         todo = [s for s in steps if self.states.get(s.seq_id) is not None
                 and len(self.states[s.seq_id].tokens) >= SYNC_BACKLOG]
         if not todo:

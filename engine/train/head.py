@@ -69,7 +69,7 @@ class TrainHead(nn.Module):
         return out
 
     def load_eagle_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
-        mine = {k: v for k, v in self.eagle_state_dict().items()}
+        mine = self.eagle_state_dict()
         missing = set(mine) - set(weights)
         if missing:
             raise ValueError(f"head weights lack {sorted(missing)}")
@@ -85,7 +85,7 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos[:, None] + rotated * sin[:, None]
 
 
-def head_config(target_raw: dict, target: ModelConfig, bias: bool, draft_vocab: int | None) -> dict:
+def head_config(target: ModelConfig, bias: bool, draft_vocab: int | None) -> dict:
     """config.json of a one-layer Llama matching the target (the EAGLE layout)."""
     cfg = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 1,

@@ -271,7 +271,7 @@ def _batches(idx: list[int], offsets: torch.Tensor, batch_tokens: int, rng: rand
     srt = sorted(idx, key=lambda i: (lengths[i], i))
     out, cur = [], []
     for i in srt:
-        if cur and (len(cur) + 1) * max(lengths[i], max(lengths[j] for j in cur)) > batch_tokens:
+        if cur and (len(cur) + 1) * lengths[i] > batch_tokens:  # sorted: i is the longest so far
             out.append(cur)
             cur = []
         cur.append(i)
@@ -295,8 +295,11 @@ def _pad(batch: list[int], ids, masks, feats, offsets):
 
 
 class Losses:
-    def __init__(self, embed: torch.Tensor, lm_rows: torch.Tensor, full_lm: torch.Tensor | None, p_weight: float):
-        self.embed, self.lm_rows, self.full_lm, self.p_weight = embed, lm_rows, full_lm, p_weight
+    def __init__(self, embed: torch.Tensor, lm: torch.Tensor, d2t: torch.Tensor | None, p_weight: float):
+        """lm: the target's LM head [vocab, h]; d2t: the draft vocabulary's target ids (None: all)."""
+        self.embed, self.full_lm, self.p_weight = embed, lm, p_weight
+        self.d2t = d2t if d2t is not None else torch.arange(lm.shape[0])
+        self.lm_rows = lm[d2t] if d2t is not None else lm
 
     def __call__(self, head, bid, bmask, bfeat, noise_amp: float, generator=None):
         """Returns loss, and (vloss, ploss, agree, n, agree_full) as floats for logging."""
@@ -329,10 +332,8 @@ class Losses:
         loss = vloss + self.p_weight * ploss
         with torch.no_grad():
             agree = (p_logits.argmax(-1) == t_logits.argmax(-1)).float().sum().item()
-            agree_full = None
-            if self.full_lm is not None:
-                full_top = (t_sel @ self.full_lm.T).argmax(-1)
-                agree_full = (self.d2t[p_logits.argmax(-1)] == full_top).float().sum().item()
+            full_top = (t_sel @ self.full_lm.T).argmax(-1)
+            agree_full = (self.d2t[p_logits.argmax(-1)] == full_top).float().sum().item()
         return loss, (vloss.item(), ploss.item(), agree, n, agree_full)
 
 
@@ -351,9 +352,7 @@ def fit(cfg: TrainConfig, loaded, ids, masks, feats, offsets, train_idx, held_id
         log(f"draft vocabulary: {cfg.draft_vocab} of {vocab} tokens, covering {coverage:.4f} of assistant tokens")
     else:
         coverage = 1.0
-    lm_rows = lm[d2t] if d2t is not None else lm
-    losses = Losses(embed, lm_rows, lm, cfg.p_weight)
-    losses.d2t = d2t if d2t is not None else torch.arange(vocab)
+    losses = Losses(embed, lm, d2t, cfg.p_weight)
     rms = float(feats[train_tok[:200000]].float().pow(2).mean().sqrt())
     noise_amp = cfg.noise * rms
     head = TrainHead(mcfg, bias=cfg.bias)
@@ -381,7 +380,7 @@ def fit(cfg: TrainConfig, loaded, ids, masks, feats, offsets, train_idx, held_id
             log(f"resuming at epoch {state['epoch']}, step {state['step']}")
         else:
             log("train_state.pt is from other settings: starting over")
-    hcfg = head_config({}, mcfg, cfg.bias, len(d2t) if d2t is not None else None)
+    hcfg = head_config(mcfg, cfg.bias, len(d2t) if d2t is not None else None)
 
     def save_state():
         tmp = ckpt + ".part"
