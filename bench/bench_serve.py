@@ -128,20 +128,26 @@ class Http:
         await asyncio.to_thread(self.background.stop)
 
     async def request(self, ids, max_new):
-        t0 = time.perf_counter()
-        events, n = [], 0
-        stream = await self.client.completions.create(model="m", prompt=ids, max_tokens=max_new, temperature=0,
-                                                      stream=True, stream_options={"include_usage": True})
-        async for chunk in stream:
-            if chunk.usage is not None:
-                n = chunk.usage.completion_tokens
-            elif chunk.choices and chunk.choices[0].text:
-                events.append((time.perf_counter() - t0, 1))
-        # text chunks may merge tokens; spread the count over the chunks for the ITL estimate
-        if events and n:
-            k = n / len(events)
-            events = [(t, k) for t, _ in events]
-        return events, n
+        return await stream_completion(self.client, "m", ids, max_new)
+
+
+async def stream_completion(client, model: str, ids, max_new: int):
+    """One greedy streaming completion through the `openai` SDK: ([(seconds, tokens)] per
+    chunk, completion tokens)."""
+    t0 = time.perf_counter()
+    events, n = [], 0
+    stream = await client.completions.create(model=model, prompt=ids, max_tokens=max_new, temperature=0,
+                                             stream=True, stream_options={"include_usage": True})
+    async for chunk in stream:
+        if chunk.usage is not None:
+            n = chunk.usage.completion_tokens
+        elif chunk.choices and chunk.choices[0].text:
+            events.append((time.perf_counter() - t0, 1))
+    # text chunks may merge tokens; spread the count over the chunks for the ITL estimate
+    if events and n:
+        k = n / len(events)
+        events = [(t, k) for t, _ in events]
+    return events, n
 
 
 async def run_load(transport, prompts, conc: int, n_req: int, max_new: int, offset: int) -> dict:

@@ -3,16 +3,23 @@
 Contract: `forward(q, k, v, layer, batch, kv)` first writes this forward's new keys and values
 into the cache at `batch.slot_mapping`, then returns attention of every query over its
 sequence's keys as allowed by the batch's mask, packed back to [T, num_heads * head_dim].
+
+Backends: `torch` (reference, any device), `native` (CPU kernels), `flash` (flash-attn 2 on
+CUDA, engine/flash_attention.py). `make_backend` picks one from `EngineConfig.attention`.
 """
 from __future__ import annotations
 
 import abc
+import logging
 
 import torch
 import torch.nn.functional as F
 
+from engine.config import ATTENTIONS
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVCache
+
+log = logging.getLogger(__name__)
 
 
 class AttentionBackend(abc.ABC):
@@ -33,9 +40,7 @@ class TorchAttention(AttentionBackend):
         self.scale = scale
 
     def forward(self, q, k, v, layer, batch, kv):
-        k_cache, v_cache = kv.keys(layer), kv.values(layer)
-        k_cache.index_copy_(0, batch.slot_mapping, k)
-        v_cache.index_copy_(0, batch.slot_mapping, v)
+        k_cache, v_cache = kv.store(layer, batch.slot_mapping, k, v)
         B, Q, L = batch.num_seqs, batch.max_query_len, batch.max_kv_len
         T, H, D = q.shape
         keys = k_cache.index_select(0, batch.kv_gather).view(B, L, -1, D).transpose(1, 2)  # [B, Hkv, L, D]
@@ -66,9 +71,7 @@ class NativeCPUAttention(TorchAttention):
     def forward(self, q, k, v, layer, batch, kv):
         if batch.max_query_len > self.MAX_QUERIES and batch.num_seqs == 1:
             return super().forward(q, k, v, layer, batch, kv)
-        k_cache, v_cache = kv.keys(layer), kv.values(layer)
-        k_cache.index_copy_(0, batch.slot_mapping, k)
-        v_cache.index_copy_(0, batch.slot_mapping, v)
+        k_cache, v_cache = kv.store(layer, batch.slot_mapping, k, v)
         gather = batch.kv_gather.view(batch.num_seqs, batch.max_kv_len)
         if batch.max_query_len <= self.MAX_QUERIES:
             return self.kernels.paged_attention(q.contiguous(), k_cache, v_cache, gather, batch.kv_lens,
@@ -111,9 +114,65 @@ class NativeCPUAttention(TorchAttention):
         return out
 
 
-def make_backend(scale: float, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
-    """The native CPU backend where its kernels build, else the torch reference."""
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+FLASH_INSTALL = "--attention flash needs the flash-attn package (pip install -e '.[cuda]')"
+
+
+def make_backend(scale: float, device: torch.device, dtype: torch.dtype, attention: str = "auto") -> AttentionBackend:
+    """The attention backend for `attention` (one of ATTENTIONS) on `device` / `dtype`.
+
+    auto: on CUDA, `flash` when flash-attn imports and the dtype is float16/bfloat16, else the
+    torch backend, whose masked SDPA runs on any device (FlexAttention was not adopted: tree
+    masks change shape every round, and a block mask built per batch or a compile per shape is
+    a cost nobody has measured against SDPA here, so it stays out until a GPU benchmark says
+    otherwise); on the CPU, `native` where its kernels build (AVX-512 with bf16, dtype float32
+    or bfloat16), else torch.
+    Explicit choices that cannot run raise ValueError with the reason: `flash` without
+    flash-attn, on the CPU (unless a test installed a stand-in module marked `__standin__`), or
+    in a dtype flash-attn lacks; `native` off the CPU or where the kernels do not build.
+    """
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+    if attention == "torch":
+        return TorchAttention(scale)
+    if attention == "flash":
+        return _flash_backend(scale, device, dtype)
+    if attention == "native":
+        if device.type != "cpu":
+            raise ValueError(f"--attention native is the CPU kernel backend; the device is {device.type} "
+                             f"(use flash or torch)")
+        mod = _native_kernels(dtype)
+        if mod is None:
+            raise ValueError("--attention native: the native CPU kernels are unavailable (they need AVX-512 with "
+                             "bf16, a C++ compiler and dtype float32 or bfloat16); use torch")
+        return NativeCPUAttention(scale, mod)
+    if device.type == "cuda":
+        try:
+            return _flash_backend(scale, device, dtype)
+        except ValueError as e:
+            log.info("attention auto: torch backend on %s (%s)", device, e)
+            return TorchAttention(scale)
+    mod = _native_kernels(dtype) if device.type == "cpu" else None
+    return NativeCPUAttention(scale, mod) if mod is not None else TorchAttention(scale)
+
+
+def _native_kernels(dtype: torch.dtype):
     from engine import kernels
     from engine.layers import FAST_DTYPES
-    mod = kernels.native() if device.type == "cpu" and dtype in FAST_DTYPES else None
-    return NativeCPUAttention(scale, mod) if mod is not None else TorchAttention(scale)
+    return kernels.native() if dtype in FAST_DTYPES else None
+
+
+def _flash_backend(scale: float, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+    try:
+        import flash_attn
+    except ImportError as e:
+        detail = "" if isinstance(e, ModuleNotFoundError) and e.name == "flash_attn" else f" ({e})"
+        raise ValueError(FLASH_INSTALL + detail) from e
+    standin = getattr(flash_attn, "__standin__", False)
+    if device.type != "cuda" and not standin:
+        raise ValueError(f"--attention flash runs on CUDA devices; the device is {device.type} (use native or torch)")
+    if dtype not in FLASH_DTYPES and not (standin and getattr(flash_attn, "allow_full_precision", False)):
+        raise ValueError(f"--attention flash computes in float16 or bfloat16, not {str(dtype).removeprefix('torch.')} "
+                         f"(use --dtype bfloat16, or --attention torch)")
+    from engine.flash_attention import FlashAttention
+    return FlashAttention(scale, flash_attn)

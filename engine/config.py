@@ -7,6 +7,9 @@ from engine.spec.config import SpecConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 DEVICES = ("auto", "cpu", "cuda")
+# auto: flash on CUDA when flash-attn imports (else torch), native on the CPU where its kernels
+# build (else torch); see engine.attention.make_backend
+ATTENTIONS = ("auto", "torch", "native", "flash")
 
 
 @dataclass(frozen=True)
@@ -14,8 +17,9 @@ class EngineConfig:
     model: str | None = None  # None: the embedded default model
     dtype: str = "auto"  # auto: bfloat16 where the CPU has native bf16 (measured fastest), else float32
     device: str = "auto"
+    attention: str = "auto"  # one of ATTENTIONS; flash reads the cache in place with block_size 256
     block_size: int = 16
-    kv_cache_tokens: int | None = None  # None: kv_cache_memory_fraction of the device memory
+    kv_cache_tokens: int | None = None  # None: kv_cache_memory_fraction of RAM; CUDA: gpu_memory_utilization
     kv_cache_memory_fraction: float = 0.1
     max_model_len: int | None = None  # None: the model's own, capped to what the cache holds
     max_num_seqs: int = 64
@@ -26,18 +30,32 @@ class EngineConfig:
     skip_tokenizer: bool = False
     draft: str | None = None  # EAGLE head directory
     spec: SpecConfig = field(default_factory=SpecConfig)
+    # CUDA only (engine/cuda_graphs.py, docs/gpu.md): replay captured graphs for decode / verify steps
+    cuda_graphs: bool = True
+    cuda_graph_batch_sizes: tuple[int, ...] | None = None  # None: 1, 2, 4, ... up to max_num_seqs
+    cuda_graph_token_sizes: tuple[int, ...] | None = None  # None: 1, 2, 4, ... up to the largest tree
+    # CUDA, kv_cache_tokens None: fraction of the GPU's memory for weights + activations + KV cache
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
             raise ValueError(f"kv_cache_tokens must be >= block_size ({self.block_size})")
         if not 0 < self.kv_cache_memory_fraction <= 0.95:
             raise ValueError("kv_cache_memory_fraction must be in (0, 0.95]")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        for name in ("cuda_graph_batch_sizes", "cuda_graph_token_sizes"):
+            sizes = getattr(self, name)
+            if sizes is not None and (not sizes or min(sizes) < 1):
+                raise ValueError(f"{name} must be positive sizes, got {sizes}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk"):

@@ -20,6 +20,13 @@ class KVCache:
     def values(self, layer: int) -> torch.Tensor:
         return self.data[layer, 1]
 
+    def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Write new keys/values [T, Hkv, D] at `slots`; returns the layer's (keys, values)."""
+        k_cache, v_cache = self.data[layer, 0], self.data[layer, 1]
+        k_cache.index_copy_(0, slots, k)
+        v_cache.index_copy_(0, slots, v)
+        return k_cache, v_cache
+
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()

@@ -10,13 +10,16 @@ import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.default_model import cache_dir, default_model_path
 from engine.model_config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
-from engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from engine.tokenizer import Tokenizer
 
 
 class ModelLoadError(ValueError):
@@ -56,7 +59,10 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     net = LlamaForCausalLM(cfg)
     load_weights(net, tensors, dtype)
     net.to(device)
-    tokenizer = None if skip_tokenizer else Tokenizer.from_dir(tok_dir)
+    tokenizer = None
+    if not skip_tokenizer:  # imported here: the engine itself runs without jinja2 / tokenizers
+        from engine.tokenizer import Tokenizer
+        tokenizer = Tokenizer.from_dir(tok_dir)
     eos = _eos_ids(raw, path if os.path.isdir(path) else None, tokenizer)
     name = os.path.basename(os.path.normpath(path))
     if model in (None, "", "default"):

@@ -9,7 +9,8 @@ import torch
 
 from engine.attention import make_backend
 from engine.config import EngineConfig
-from engine.forward_batch import SeqSpan, build_forward_batch
+from engine.cuda_graphs import GraphRunner, scratch_blocks
+from engine.forward_batch import SeqSpan
 from engine.kv_cache import KVCache
 from engine.loader import LoadedModel, load_model
 from engine.sampler import SampleRow, sample
@@ -62,29 +63,41 @@ def _memory_bytes(device: torch.device) -> int:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        """loaded: a model built in memory (bench/gpu_check.py) instead of loading config.model."""
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.loaded: LoadedModel = load_model(config.model, self.dtype, self.device, config.skip_tokenizer)
+        self.loaded: LoadedModel = loaded if loaded is not None else load_model(
+            config.model, self.dtype, self.device, config.skip_tokenizer)
         self.model = self.loaded.model
         self.num_prepacked = self.model.prepack() if self.device.type == "cpu" else 0
         cfg = self.loaded.config
         self.num_blocks = self._num_blocks()
-        self.kv = KVCache(cfg.num_layers, self.num_blocks, config.block_size, cfg.num_kv_heads,
+        # + the CUDA graphs' scratch block for padded writes (none on the CPU), never handed out
+        self.kv = KVCache(cfg.num_layers, self.num_blocks + scratch_blocks(self.device, config.cuda_graphs),
+                          config.block_size, cfg.num_kv_heads,
                           cfg.head_dim, self.dtype, self.device)
         self.max_model_len = self._max_model_len()
-        self.backend = make_backend(cfg.head_dim ** -0.5, self.device, self.dtype)
+        self.backend = make_backend(cfg.head_dim ** -0.5, self.device, self.dtype, config.attention)
         self.spec = config.spec
         self.drafter = self._make_drafter()
         self.timings = PhaseTimes()
+        self.graphs = GraphRunner.for_runner(self)  # CUDA graphs for decode / verify; eager on the CPU
+        # Fault injection (tests, chaos runs): called with each round's steps after drafting,
+        # inside the step; whatever it raises fails the step like a real engine error.
+        self.fault_hook = None
 
     def _num_blocks(self) -> int:
         c, m = self.config, self.loaded.config
         tokens = c.kv_cache_tokens
         if tokens is None:
             per_token = KVCache.bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, self.dtype)
-            budget = int(_memory_bytes(self.device) * c.kv_cache_memory_fraction) // per_token
+            if self.device.type == "cuda":  # gpu_memory_utilization of the GPU, after weights and activations
+                from engine.gpu_memory import cuda_kv_cache_tokens
+                budget = cuda_kv_cache_tokens(self)
+            else:
+                budget = int(_memory_bytes(self.device) * c.kv_cache_memory_fraction) // per_token
             tokens = min(budget, c.max_num_seqs * m.max_model_len)
         return max(1, tokens // c.block_size)
 
@@ -115,7 +128,8 @@ class ModelRunner:
         head = load_eagle_head(self.config.draft, self.model, self.dtype).to(self.device)
         if self.device.type == "cpu":
             head.prepack()
-        return EagleDrafter(head, self.model, spec, self.num_blocks, self.config.block_size, self.dtype, self.device)
+        return EagleDrafter(head, self.model, spec, self.num_blocks, self.config.block_size, self.dtype, self.device,
+                            self.config.attention)
 
     def release(self, seq_id: int) -> None:
         self.drafter.release(seq_id)
@@ -129,10 +143,11 @@ class ModelRunner:
             if s.restart:  # (re)admitted: whatever the drafter kept from before is stale
                 self.drafter.release(s.seq_id)
         trees = self._draft(steps)
+        if self.fault_hook is not None:
+            self.fault_hook(steps)
         t1 = time.perf_counter()
         spans = [self._span(s, t) for s, t in zip(steps, trees)]
-        batch = build_forward_batch(spans, self.config.block_size, self.device)
-        hidden = self.model(batch, self.kv, self.backend)
+        hidden = self.forward(spans)
         offsets = [0]
         for span in spans:
             offsets.append(offsets[-1] + len(span.token_ids))
@@ -158,6 +173,11 @@ class ModelRunner:
             k += n
         self.timings.add(draft=t1 - t0, verify=t2 - t1, accept=time.perf_counter() - t2)
         return results
+
+    def forward(self, spans: list[SeqSpan]) -> torch.Tensor:
+        """Final-norm hidden states [T, hidden] of the packed new tokens: a CUDA graph replay
+        where the batch fits a captured bucket, else the eager forward."""
+        return self.graphs.forward(spans, self.backend)
 
     def _draft(self, steps: list[SeqStep]) -> list[DraftTree]:
         trees = [root_only(s.token_ids[-1]) for s in steps]

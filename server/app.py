@@ -10,6 +10,8 @@ import uuid
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from sse_starlette.sse import EventSourceResponse
@@ -17,7 +19,7 @@ from sse_starlette.sse import EventSourceResponse
 from engine.tokenizer import TemplateError
 from scheduler.async_engine import AsyncEngine, EngineDead
 from server.metrics import Metrics
-from server.protocol import (ApiError, ChatRequest, CompletionRequest, chat_inputs, check_common,
+from server.protocol import (FIELD_HELP, ApiError, ChatRequest, CompletionRequest, chat_inputs, check_common,
                              completion_prompts, sampling_params)
 
 log = logging.getLogger("eagle_serve")
@@ -26,8 +28,20 @@ VERSION = "0.1.0"
 
 class ServerState:
     def __init__(self, llm, served_model_name: str | None = None, api_key: str | None = None,
-                 max_waiting: int = 256, max_body_bytes: int = 4 << 20, stall_seconds: float = 120.0):
+                 max_waiting: int = 256, max_body_bytes: int = 4 << 20, stall_seconds: float = 120.0,
+                 request_timeout: float | None = None, allowed_origins: list[str] | None = None,
+                 shutdown_timeout: float = 30.0):
+        """request_timeout: seconds a request may run before it is aborted (None: no limit).
+        allowed_origins: CORS origins (None or empty: no CORS headers at all).
+        shutdown_timeout: on SIGTERM, seconds running streams may take to finish."""
+        if request_timeout is not None and not request_timeout > 0:
+            raise ValueError(f"request_timeout must be > 0 seconds, got {request_timeout}")
+        if max_waiting < 1:
+            raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
         self.llm = llm
+        self.request_timeout = request_timeout
+        self.allowed_origins = list(allowed_origins or [])
+        self.shutdown_timeout = shutdown_timeout
         self.tokenizer = llm.tokenizer
         self.model_name = served_model_name or llm.model_name
         self.api_key = api_key
@@ -80,6 +94,9 @@ def create_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="eagle-serve", version=VERSION, lifespan=lifespan)
     app.state.server = state
+    if state.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=state.allowed_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type"])
 
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError):
@@ -145,7 +162,7 @@ def create_app(state: ServerState) -> FastAPI:
         handle = _submit(state, [prompt] * n, params, req.user)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return EventSourceResponse(_chat_stream(state, handle, include_usage), ping=15)
+            return _stream_response(state, _chat_stream(state, handle, include_usage))
         outs = await _collect(request, state, handle)
         return _chat_response(state, handle, outs)
 
@@ -162,30 +179,115 @@ def create_app(state: ServerState) -> FastAPI:
         handle.echo = bool(req.echo)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return EventSourceResponse(_completion_stream(state, handle, include_usage), ping=15)
+            return _stream_response(state, _completion_stream(state, handle, include_usage))
         outs = await _collect(request, state, handle)
         return _completion_response(state, handle, outs)
 
+    app.openapi = lambda: _openapi(app, state)
     return app
+
+
+def _bound_ints(props: dict, max_token_id: int, max_tokens: int) -> None:
+    """This model's real bounds in the schema: token ids below the vocabulary size, token
+    counts below the context length."""
+    def walk(node, key):
+        if isinstance(node, dict):
+            if node.get("type") == "integer" and key in ("prompt", "max_tokens", "max_completion_tokens", "min_tokens"):
+                node["maximum"] = max_token_id if key == "prompt" else max_tokens
+            for v in node.values():
+                walk(v, key)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v, key)
+    for key, value in props.items():
+        walk(value, key)
+
+
+def _openapi(app: FastAPI, state: ServerState) -> dict:
+    """The schema clients (and the fuzz tests) see: the request bodies are the pydantic models
+    the handlers validate against, and every status a route can answer is listed."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    comps = schema.setdefault("components", {}).setdefault("schemas", {})
+    comps["ErrorResponse"] = {
+        "type": "object", "required": ["error"],
+        "properties": {"error": {"type": "object", "required": ["message", "type", "param", "code"], "properties": {
+            "message": {"type": "string"}, "type": {"type": "string"},
+            "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+    err = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+    descriptions = {"400": "invalid request", "401": "missing or wrong API key", "404": "unknown model",
+                    "408": "the request ran past the server's request timeout", "413": "request body too large",
+                    "503": "server busy (Retry-After) or engine down"}
+    errors = {code: {"description": d, **err} for code, d in descriptions.items()}
+    for path, model in (("/v1/chat/completions", ChatRequest), ("/v1/completions", CompletionRequest)):
+        js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        comps.update(js.pop("$defs", {}))
+        js["properties"]["model"] = {"type": "string", "enum": [state.model_name], "title": "Model",
+                                     "description": "the one model this server serves (GET /v1/models)"}
+        _bound_ints(js["properties"], state.llm.loop.vocab_size - 1, state.llm.max_model_len - 1)
+        comps[model.__name__] = js
+        op = schema["paths"][path]["post"]
+        op["requestBody"] = {"required": True, "content": {"application/json": {
+            "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+        op["responses"] = {"200": {"description": "the completion (JSON), or its chunks as server-sent events",
+                                   "content": {"application/json": {"schema": {"type": "object"}},
+                                               "text/event-stream": {"schema": {
+                                                   "type": "object", "required": ["data"],
+                                                   "properties": {"data": {"type": "string"},
+                                                                  "event": {"type": "string"}}}}}},
+                           **errors}
+    schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"] = {
+        "text/plain": {"schema": {"type": "string", "description": "Prometheus text exposition format 0.0.4"}}}
+    models_op = schema["paths"]["/v1/models"]["get"]
+    models_op["responses"]["401"] = errors["401"]
+    schema["paths"]["/health"]["get"]["responses"]["503"] = {"description": "not loaded, stalled or stopped",
+                                                              "content": {"application/json": {"schema": {"type": "object"}}}}
+    if state.api_key:
+        comps_root = schema["components"]
+        comps_root["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        for path, ops in schema["paths"].items():
+            if path.startswith("/v1/"):
+                for op in ops.values():
+                    op["security"] = [{"bearer": []}]
+    app.openapi_schema = schema
+    return schema
 
 
 # ---------------------------------------------------------------------------- requests
 
 async def _parse(request: Request, model, state: ServerState):
-    body = await request.body()
-    if len(body) > state.max_body_bytes:
-        raise ApiError(413, f"request body over {state.max_body_bytes} bytes", code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():  # bounded even without a Content-Length (chunked uploads)
+        size += len(chunk)
+        if size > state.max_body_bytes:
+            raise ApiError(413, f"request body over {state.max_body_bytes} bytes", code="request_too_large")
+        chunks.append(chunk)
+    body = b"".join(chunks)
     try:
-        data = json.loads(body)
+        data = json.loads(body, parse_constant=_no_constant)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ApiError(400, "the body is nested too deeply") from None
     if not isinstance(data, dict):
         raise ApiError(400, "the body must be a JSON object")
+    try:  # JSON escapes can carry lone surrogates, which no tokenizer can encode
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(400, f"the body has a string that is not valid Unicode: {e.reason}") from None
+    except RecursionError:
+        raise ApiError(400, "the body is nested too deeply") from None
     try:
         req = model.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
         loc = ".".join(str(x) for x in err["loc"])
+        top = str(err["loc"][0]) if err["loc"] else ""
+        if top in FIELD_HELP and err["type"] != "extra_forbidden":
+            raise ApiError(400, FIELD_HELP[top], top) from None
+        if len(err["loc"]) == 3 and top == "messages" and err["loc"][2] == "name":
+            raise ApiError(400, f"messages[{err['loc'][1]}].name is not supported", loc) from None
         msg = "unknown or unsupported field" if err["type"] == "extra_forbidden" else err["msg"]
         raise ApiError(400, f"{loc}: {msg}", loc or None) from None
     if req.model != state.model_name:
@@ -194,9 +296,15 @@ async def _parse(request: Request, model, state: ServerState):
     return req
 
 
+def _no_constant(name: str):
+    raise json.JSONDecodeError(f"{name} is not valid JSON", name, 0)
+
+
 class Handle:
-    def __init__(self, prompts, seq_ids, queues):
+    def __init__(self, prompts, seq_ids, queues, timeout: float | None = None):
         self.id = uuid.uuid4().hex
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.timeout = timeout
         self.created = int(time.time())
         self.prompts, self.seq_ids, self.queues = prompts, seq_ids, queues
         self.finished = [False] * len(seq_ids)
@@ -205,6 +313,9 @@ class Handle:
 
 def _submit(state: ServerState, prompts: list[list[int]], params, user: str | None) -> Handle:
     eng = state.engine
+    if len(prompts) > state.max_waiting:
+        raise ApiError(400, f"this request has {len(prompts)} sequences (prompts x n); the server queues at most "
+                            f"{state.max_waiting}", "n")
     if eng.num_waiting + len(prompts) > state.max_waiting:
         raise ApiError(503, f"the server is busy ({eng.num_waiting} requests waiting); retry shortly",
                        code="server_busy", headers={"Retry-After": "1"})
@@ -226,7 +337,7 @@ def _submit(state: ServerState, prompts: list[list[int]], params, user: str | No
     state.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
     if user:
         log.info("request %s from user %r: %d sequences", ids, user, len(ids))
-    return Handle(prompts, ids, queues)
+    return Handle(prompts, ids, queues, state.request_timeout)
 
 
 class _Tracker:
@@ -268,8 +379,14 @@ async def _collect(request: Request, state: ServerState, handle: Handle) -> list
     task = asyncio.ensure_future(asyncio.gather(*(drain(q) for q in handle.queues)))
     try:
         while not task.done():
-            await asyncio.wait({task}, timeout=0.5)
-            if not task.done() and await request.is_disconnected():
+            await asyncio.wait({task}, timeout=0.5 if handle.deadline is None
+                               else max(0.0, min(0.5, handle.deadline - time.monotonic())))
+            if task.done():
+                break
+            if handle.deadline is not None and time.monotonic() >= handle.deadline:
+                task.cancel()
+                raise _timeout_error(handle)  # (the handler below aborts the sequences)
+            if await request.is_disconnected():
                 task.cancel()
                 break
         outs = await task
@@ -283,6 +400,11 @@ async def _collect(request: Request, state: ServerState, handle: Handle) -> list
     if errors:
         raise _engine_error(errors[0])
     return outs
+
+
+def _timeout_error(handle: Handle) -> ApiError:
+    return ApiError(408, f"the request ran past the server's request timeout ({handle.timeout:g} s) and was aborted",
+                    code="request_timeout", type_="timeout_error")
 
 
 def _engine_error(out) -> ApiError:
@@ -348,7 +470,13 @@ async def _merged(state: ServerState, handle: Handle):
     tasks = [asyncio.ensure_future(pump(i, q)) for i, q in enumerate(handle.queues)]
     try:
         while done < len(tasks):
-            i, out = await merged.get()
+            if handle.deadline is None:
+                i, out = await merged.get()
+            else:
+                try:
+                    i, out = await asyncio.wait_for(merged.get(), max(0.0, handle.deadline - time.monotonic()))
+                except asyncio.TimeoutError:
+                    raise _timeout_error(handle) from None
             if isinstance(out, BaseException):
                 raise ApiError(503, str(out), code="engine_dead")
             if out.finished:
@@ -361,6 +489,12 @@ async def _merged(state: ServerState, handle: Handle):
         for i, seq_id in enumerate(handle.seq_ids):
             if not handle.finished[i]:
                 state.engine.abort(seq_id)
+
+
+def _stream_response(state: ServerState, events) -> EventSourceResponse:
+    # On shutdown (SIGTERM) sse-starlette would cancel streams at once; the grace period lets
+    # running requests finish (uvicorn's own graceful timeout bounds the whole drain).
+    return EventSourceResponse(events, ping=15, shutdown_grace_period=state.shutdown_timeout)
 
 
 def _event(obj) -> dict:

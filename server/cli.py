@@ -6,7 +6,7 @@ import json
 import sys
 import time
 
-from engine.config import DEVICES, DTYPES
+from engine.config import ATTENTIONS, DEVICES, DTYPES
 from engine.spec.config import METHODS
 
 
@@ -14,6 +14,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=DTYPES)
     p.add_argument("--device", default="auto", help=f"one of {DEVICES} or cuda:N")
+    p.add_argument("--attention", default="auto", choices=ATTENTIONS,
+                   help="attention backend (auto: flash on CUDA when flash-attn is installed, else torch; "
+                        "native CPU kernels where they build); flash reads the cache in place with --block-size 256")
     p.add_argument("--kv-cache-tokens", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
@@ -32,6 +35,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-prefill-chunk", type=int, default=512, help="prompt tokens a sequence feeds per step")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="CUDA: run every forward eagerly (no captured graphs)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="CUDA without --kv-cache-tokens: fraction of the GPU's memory for weights, activations "
+                        "and the KV cache")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,6 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1/*")
     s.add_argument("--max-waiting", type=int, default=256, help="queued requests before 503 + Retry-After")
+    s.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds a request may run before it is aborted (408 / an error event; default: no limit)")
+    s.add_argument("--max-request-bytes", type=int, default=4 << 20, help="largest request body accepted (413 above)")
+    s.add_argument("--allowed-origins", default=None,
+                   help="comma-separated CORS origins (default: CORS off, no Access-Control headers)")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM: stop accepting, let running requests finish for up to this many seconds, exit 0")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     _env_defaults(s)
     t = sub.add_parser("train-draft", help="train an EAGLE draft head for a target model")
@@ -104,10 +118,22 @@ def cmd_serve(args) -> int:
     llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_cache_tokens=args.kv_cache_tokens,
               max_model_len=args.max_model_len, block_size=args.block_size, draft=draft,
               spec=spec_config(args, draft), **engine_kwargs(args))
-    state = ServerState(llm, args.served_model_name, args.api_key, args.max_waiting)
+    origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()] if args.allowed_origins else None
+    state = ServerState(llm, args.served_model_name, args.api_key, args.max_waiting, max_body_bytes=args.max_request_bytes,
+                        request_timeout=args.request_timeout, allowed_origins=origins,
+                        shutdown_timeout=args.shutdown_timeout)
     print(f"eagle-serve: {state.model_name} (spec {llm.engine_config.spec.method}"
           f"{', head ' + draft if draft else ''}) on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
-    uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level)
+    # SIGTERM/SIGINT: uvicorn stops listening, waits for open requests (streams get the same grace),
+    # then cancels what is left; the lifespan's shutdown stops the engine loop and we exit 0.
+    # uvicorn re-raises the signal it caught once it has shut down (so the default handler
+    # would end the process "killed by SIGTERM"); a no-op handler underneath makes a graceful
+    # shutdown exit 0, as orchestrators expect.
+    import signal
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=args.shutdown_timeout + 1)
     return 0
 
 
@@ -169,9 +195,10 @@ def cmd_generate(args) -> int:
 
 
 def engine_kwargs(args) -> dict:
-    return dict(tree_budget=not args.fixed_tree, enable_prefix_caching=not args.no_prefix_caching,
+    return dict(tree_budget=not args.fixed_tree, enable_prefix_caching=not args.no_prefix_caching, attention=args.attention,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                max_prefill_chunk=args.max_prefill_chunk)
+                max_prefill_chunk=args.max_prefill_chunk, cuda_graphs=not args.no_cuda_graphs,
+                gpu_memory_utilization=args.gpu_memory_utilization)
 
 
 def spec_config(args, draft: str | None = None):

@@ -5,9 +5,9 @@ refused too (never accepted and ignored). Nulls and default values are always ac
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -36,57 +36,87 @@ class TextPart(_Strict):
     text: str
 
 
+MAX_N = 16
+MAX_STOP = 4
+
+# The ranges below are the server's real limits: they are validated here and published in the
+# OpenAPI schema (what clients and the fuzz tests read).
+TokenId = Annotated[int, Field(ge=0)]
+TokenCount = Annotated[int, Field(ge=1)]
+Penalty = Annotated[float, Field(ge=-2, le=2)]
+StopString = Annotated[str, StringConstraints(min_length=1)]
+TokenIdKey = Annotated[str, StringConstraints(pattern=r"^[0-9]+$")]
+
+
 class ChatMessage(_Strict):
-    role: str
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[TextPart]  # required: no tool calls yet, so no message without content
+    name: None = None  # chat templates here have no place for it: refused (400), not dropped
 
 
 class StreamOptions(_Strict):
     include_usage: bool | None = False
-    continuous_usage_stats: bool | None = None
+    continuous_usage_stats: Literal[False] | None = None
 
 
 class _Common(_Strict):
     model: str
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int | None = 1
-    stop: str | list[str] | None = None
+    max_tokens: TokenCount | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = 1
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
     seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[TokenIdKey, Annotated[float, Field(ge=-100, le=100)]] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM-style extensions
-    top_k: int | None = None
-    min_tokens: int | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = None
     ignore_eos: bool | None = None
+
+
+# One clear message for fields whose schema is a union (pydantic reports every branch) or
+# that only accept their "off" value for now.
+FIELD_HELP = {
+    "stop": f"stop must be a non-empty string or a list of up to {MAX_STOP} non-empty strings",
+    "prompt": "prompt must be a string, a list of strings, a list of token ids (>= 0), or a list of such lists; "
+              "lists may not be empty",
+    "logit_bias": "logit_bias maps token ids (decimal strings) to biases in [-100, 100]",
+    "tools": "tools are not supported yet",
+    "tool_choice": "tool_choice is not supported yet (only \"none\")",
+    "parallel_tool_calls": "parallel_tool_calls is not supported (no tools yet)",
+    "response_format": "response_format other than text is not supported yet",
+    "suffix": "suffix is not supported",
+}
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text"]
 
 
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: TokenCount | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any | None = None
-    parallel_tool_calls: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    # not supported yet (structured output, tools): only their "off" values are accepted
+    response_format: ResponseFormat | None = None
+    tools: Annotated[list[Any], Field(max_length=0)] | None = None
+    tool_choice: Literal["none"] | None = None
+    parallel_tool_calls: Literal[True] | None = None
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
+    prompt: (str | Annotated[list[str], Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
+             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
     echo: bool | None = False
-    suffix: str | None = None
-    best_of: int | None = None
-
-
-MAX_N = 16
+    suffix: Annotated[str, Field(max_length=0)] | None = None
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
 
 
 def sampling_params(req: _Common, max_tokens: int, logprobs: int | None, seed_offset: int) -> SamplingParams:
@@ -98,11 +128,7 @@ def sampling_params(req: _Common, max_tokens: int, logprobs: int | None, seed_of
         except ValueError:
             raise ApiError(400, f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if len(stop) > 4 or any(not s for s in stop):
-        raise ApiError(400, "stop must be up to 4 non-empty strings", "stop")
     temperature = 1.0 if req.temperature is None else req.temperature
-    if not 0 <= temperature <= 2:
-        raise ApiError(400, f"temperature must be in [0, 2], got {temperature}", "temperature")
     kwargs = dict(max_tokens=max_tokens, temperature=temperature,
                   top_p=1.0 if req.top_p is None else req.top_p,
                   top_k=-1 if req.top_k is None else req.top_k,
@@ -118,8 +144,6 @@ def sampling_params(req: _Common, max_tokens: int, logprobs: int | None, seed_of
 
 def check_common(req: _Common) -> int:
     n = 1 if req.n is None else req.n
-    if not 1 <= n <= MAX_N:
-        raise ApiError(400, f"n must be in [1, {MAX_N}], got {n}", "n")
     if req.stream_options is not None and not req.stream:
         raise ApiError(400, "stream_options is only allowed with stream=true", "stream_options")
     if req.stream_options is not None and req.stream_options.continuous_usage_stats:
@@ -129,14 +153,6 @@ def check_common(req: _Common) -> int:
 
 def chat_inputs(req: ChatRequest) -> tuple[list[dict], int | None, int | None]:
     """(messages for the chat template, max_tokens or None, logprobs top-n or None)."""
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise ApiError(400, "response_format other than text is not supported yet", "response_format")
-    if req.tools:
-        raise ApiError(400, "tools are not supported yet", "tools")
-    if req.tool_choice not in (None, "none"):
-        raise ApiError(400, "tool_choice is not supported yet", "tool_choice")
-    if req.parallel_tool_calls is False:  # only meaningful with tools; true is the default
-        raise ApiError(400, "parallel_tool_calls is not supported (no tools yet)", "parallel_tool_calls")
     if req.max_tokens is not None and req.max_completion_tokens is not None and req.max_tokens != req.max_completion_tokens:
         raise ApiError(400, "max_tokens and max_completion_tokens differ; give one", "max_completion_tokens")
     messages = []
@@ -144,20 +160,11 @@ def chat_inputs(req: ChatRequest) -> tuple[list[dict], int | None, int | None]:
         if m.role not in ("system", "user", "assistant", "developer"):
             raise ApiError(400, f"messages[{i}].role {m.role!r} is not supported (system, user, assistant)",
                            f"messages.{i}.role")
-        if m.name is not None:  # chat templates here have no place for it: refused, not dropped
-            raise ApiError(400, f"messages[{i}].name is not supported", f"messages.{i}.name")
-        if isinstance(m.content, list):
-            content = "".join(p.text for p in m.content)
-        elif m.content is None:
-            raise ApiError(400, f"messages[{i}].content is required", f"messages.{i}.content")
-        else:
-            content = m.content
+        content = "".join(p.text for p in m.content) if isinstance(m.content, list) else m.content
         messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
     top = None
     if req.logprobs:
         top = req.top_logprobs or 0
-        if not 0 <= top <= MAX_LOGPROBS:
-            raise ApiError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
     elif req.top_logprobs:
         raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -165,14 +172,10 @@ def chat_inputs(req: ChatRequest) -> tuple[list[dict], int | None, int | None]:
 
 
 def completion_prompts(req: CompletionRequest, tokenizer) -> list[list[int]]:
-    if req.suffix:
-        raise ApiError(400, "suffix is not supported", "suffix")
     if req.best_of not in (None, 1) and req.best_of != req.n:
         raise ApiError(400, "best_of other than n is not supported", "best_of")
     if req.echo and req.logprobs is not None:
         raise ApiError(400, "echo with logprobs needs prompt logprobs, which are not supported", "echo")
-    if req.logprobs is not None and not 0 <= req.logprobs <= 5:
-        raise ApiError(400, "logprobs must be in [0, 5] for completions", "logprobs")
     p = req.prompt
     if isinstance(p, str):
         items: list = [p]

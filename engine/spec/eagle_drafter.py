@@ -51,12 +51,12 @@ class EagleDrafter(Drafter):
     needs_features = True
 
     def __init__(self, head: EagleHead, target: LlamaForCausalLM, spec: SpecConfig, num_blocks: int,
-                 block_size: int, dtype: torch.dtype, device: torch.device):
+                 block_size: int, dtype: torch.dtype, device: torch.device, attention: str = "auto"):
         cfg = head.config
         self.head, self.target, self.spec = head, target, spec
         self.block_size, self.device = block_size, device
         self.kv = KVCache(1, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device)
-        self.backend = make_backend(cfg.head_dim ** -0.5, device, dtype)
+        self.backend = make_backend(cfg.head_dim ** -0.5, device, dtype, attention)
         self.rotary = target.model.rotary if cfg.rope_theta == target.config.rope_theta else _rotary(cfg)
         self.states: dict[int, HeadState] = {}
         self._confidence: dict[int, tuple[float, ...]] = {}  # seq -> last tree's node confidences
