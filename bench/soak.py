@@ -197,10 +197,9 @@ def plot(result: dict, path: str) -> None:
     a.set_ylabel("server RSS (MB)")
     a.set_title(f"soak: {result['requests']} requests, concurrency {result['concurrency']}, "
                 f"RSS slope {result['rss_slope_mb_per_min_after_warmup']} MB/min after warm-up")
-    b.plot(t, [x["kv_usage"] for x in s], marker=".", label="KV usage")
-    b.plot(t, [x["running"] / max(1, result["concurrency"] * 2) for x in s], alpha=0.5,
-           label="running / (2 x concurrency)")
-    b.set_ylabel("fraction")
+    b.plot(t, [100 * x["kv_usage"] for x in s], marker=".", label="KV blocks in use (% of the cache)")
+    b.plot(t, [x["running"] for x in s], alpha=0.5, label="sequences running")
+    b.set_ylabel("% / count")
     b.set_xlabel("minutes")
     b.legend()
     fig.tight_layout()

@@ -11,7 +11,11 @@ from engine import kernels
 
 
 FAST_DTYPES = (torch.float32, torch.bfloat16)
-SKINNY_MAX_ROWS = 4  # up to this many input rows the native kernel beats oneDNN (measured)
+# Up to this many input rows the native kernel (and with it the fused decode stack) is used:
+# measured end to end (engine/profile.py's verify cost, default model, bf16, 2 cores) it beats
+# the per-op path with oneDNN from 5 to 8 rows (13.8-17.4 vs 19.7 ms at 5, 18.5 vs 23.0 ms at 8)
+# and loses from 12 rows (27.5 vs 26.1 ms).
+SKINNY_MAX_ROWS = 8
 
 
 class Linear(nn.Module):

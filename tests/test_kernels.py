@@ -13,7 +13,9 @@ native = kernels.native()
 
 @pytest.mark.skipif(native is None, reason="no AVX-512 bf16 CPU or no compiler")
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("m, k, n", [(1, 576, 960), (2, 64, 8), (3, 100, 13), (4, 1536, 37), (1, 7, 1)])
+# up to 4 rows: one weight row at a time; more: 2 x 4 register tiles, with ragged edges in m, n, k
+@pytest.mark.parametrize("m, k, n", [(1, 576, 960), (2, 64, 8), (3, 100, 13), (4, 1536, 37), (1, 7, 1),
+                                     (5, 576, 961), (8, 100, 13), (13, 1536, 37), (16, 40, 2), (31, 576, 7)])
 def test_native_skinny_linear_matches_reference(dtype, tol, m, k, n):
     gen = torch.Generator().manual_seed(m * 1000 + k + n)
     x = torch.randn(m, k, generator=gen).to(dtype)
@@ -123,7 +125,7 @@ def test_fused_add_rms_norm(dtype, tol):
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 6e-2)])
 def test_native_decode_stack_matches_python_forward(tiny_llama, dtype, tol):
     """The one-call native stack gives the Python path's hidden states and KV (decode batch of
-    two sequences plus a single-sequence step, shuffled blocks)."""
+    two sequences, a single-sequence step, a 6-row step; shuffled blocks)."""
     from engine.attention import make_backend
     from engine.forward_batch import SeqSpan, build_forward_batch
     from engine.kv_cache import KVCache
@@ -135,7 +137,7 @@ def test_native_decode_stack_matches_python_forward(tiny_llama, dtype, tol):
     backend = make_backend(cfg.head_dim ** -0.5, torch.device("cpu"), dtype)
     caches = [KVCache(cfg.num_layers, 32, 4, cfg.num_kv_heads, cfg.head_dim, dtype, torch.device("cpu"))
               for _ in range(2)]
-    blocks = [[9, 3, 17, 5, 22], [1, 30, 12, 7]]
+    blocks = [[9, 3, 17, 5, 22, 25], [1, 30, 12, 7]]
     prompts = [[5, 8, 13, 21, 34, 55, 89, 144, 233, 10, 11, 12, 13, 14, 15, 16, 17], [7, 6, 5, 4, 3, 2, 1, 9]]
     outs = []
     for kv, use_stack in zip(caches, (True, False)):
@@ -149,8 +151,12 @@ def test_native_decode_stack_matches_python_forward(tiny_llama, dtype, tol):
             two = model(step, kv, backend)
             one = model(build_forward_batch([SeqSpan([42], len(prompts[0]) + 1, blocks[0])], 4, torch.device("cpu")),
                         kv, backend)
+            # 6 rows: the stack's tiled kernel path (more than 4 rows per linear)
+            six = model(build_forward_batch([SeqSpan([43, 44, 45], len(prompts[0]) + 2, blocks[0]),
+                                             SeqSpan([46, 47, 48], len(prompts[1]) + 1, blocks[1])],
+                                            4, torch.device("cpu")), kv, backend)
         model._stack = stack
-        outs.append((two.float(), one.float(), kv.data.float()))
+        outs.append((two.float(), one.float(), six.float(), kv.data.float()))
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=tol, atol=tol)
 

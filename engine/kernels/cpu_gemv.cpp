@@ -7,6 +7,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <algorithm>
 #include <cstring>
 
 namespace {
@@ -59,6 +60,64 @@ inline float dot_f32(const float* x, const float* w, int64_t K) {
   return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
 }
 
+// More input rows (tree verification, batches of decodes): a register tile of NB weight rows x
+// MB input rows. Each k-step loads NB + MB vectors for NB * MB dot-product instructions instead
+// of two loads per instruction, which is what bounds the row-at-a-time loop once the weights
+// are in cache. The tile's weight rows still stream front to back.
+template <int NB, int MB>
+__attribute__((always_inline)) inline void tile_bf16(const uint16_t* x, const uint16_t* w, int64_t K, float* out, int ld) {
+  __m512 acc[NB][MB];
+#pragma GCC unroll 8
+  for (int i = 0; i < NB; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < MB; ++j) acc[i][j] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    __m512bh wv[NB];
+#pragma GCC unroll 8
+    for (int i = 0; i < NB; ++i) wv[i] = (__m512bh)_mm512_loadu_si512(w + i * K + k);
+#pragma GCC unroll 8
+    for (int j = 0; j < MB; ++j) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + j * K + k);
+#pragma GCC unroll 8
+      for (int i = 0; i < NB; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[i]);
+    }
+  }
+  if (k < K) {  // last 1..31 elements, masked past K
+    const __mmask32 m = (__mmask32)((1u << (K - k)) - 1);
+    __m512bh wv[NB];
+#pragma GCC unroll 8
+    for (int i = 0; i < NB; ++i) wv[i] = (__m512bh)_mm512_maskz_loadu_epi16(m, w + i * K + k);
+#pragma GCC unroll 8
+    for (int j = 0; j < MB; ++j) {
+      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, x + j * K + k);
+#pragma GCC unroll 8
+      for (int i = 0; i < NB; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[i]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < NB; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < MB; ++j) out[i * ld + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+constexpr int TILE_N = 1, TILE_M = 8;
+constexpr int64_t ROW_AT_A_TIME_MAX = 4;  // up to this many rows: one weight row at a time (measured)
+
+template <int NB>
+inline void tile_rows(int mb, const uint16_t* x, const uint16_t* w, int64_t K, float out[TILE_N][TILE_M]) {
+  switch (mb) {
+    case 1: tile_bf16<NB, 1>(x, w, K, &out[0][0], TILE_M); break;
+    case 2: tile_bf16<NB, 2>(x, w, K, &out[0][0], TILE_M); break;
+    case 3: tile_bf16<NB, 3>(x, w, K, &out[0][0], TILE_M); break;
+    case 4: tile_bf16<NB, 4>(x, w, K, &out[0][0], TILE_M); break;
+    case 5: tile_bf16<NB, 5>(x, w, K, &out[0][0], TILE_M); break;
+    case 6: tile_bf16<NB, 6>(x, w, K, &out[0][0], TILE_M); break;
+    case 7: tile_bf16<NB, 7>(x, w, K, &out[0][0], TILE_M); break;
+    default: tile_bf16<NB, 8>(x, w, K, &out[0][0], TILE_M); break;
+  }
+}
+
 void check(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& b) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "shapes: x [M, K], w [N, K]");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "x and w must be contiguous");
@@ -82,13 +141,31 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
     auto bp = bias ? reinterpret_cast<const uint16_t*>(bias->data_ptr<at::BFloat16>()) : nullptr;
     float* yf = float_out ? y.data_ptr<float>() : nullptr;
     uint16_t* yh = float_out ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-    at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-      for (int64_t n = n0; n < n1; ++n)
-        for (int64_t m = 0; m < M; ++m) {  // the row is in L1 after the first input row
-          const float v = dot_bf16(xp + m * K, wp + n * K, K) + (bp ? bf16_to_float(bp[n]) : 0.f);
-          if (yf) yf[m * N + n] = v; else yh[m * N + n] = to_bf16(v);
+    auto put = [&](int64_t m, int64_t n, float v) {
+      v += bp ? bf16_to_float(bp[n]) : 0.f;
+      if (yf) yf[m * N + n] = v; else yh[m * N + n] = to_bf16(v);
+    };
+    if (M <= ROW_AT_A_TIME_MAX) {
+      at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+        for (int64_t n = n0; n < n1; ++n)
+          for (int64_t m = 0; m < M; ++m)  // the row is in L1 after the first input row
+            put(m, n, dot_bf16(xp + m * K, wp + n * K, K));
+      });
+    } else {
+      at::parallel_for(0, (N + TILE_N - 1) / TILE_N, 32, [&](int64_t b0, int64_t b1) {
+        float out[TILE_N][TILE_M];
+        for (int64_t b = b0; b < b1; ++b) {
+          const int64_t n = b * TILE_N;
+          const int nb = static_cast<int>(std::min<int64_t>(TILE_N, N - n));
+          for (int64_t m = 0; m < M; m += TILE_M) {
+            const int mb = static_cast<int>(std::min<int64_t>(TILE_M, M - m));
+            tile_rows<TILE_N>(mb, xp + m * K, wp + n * K, K, out);
+            for (int i = 0; i < nb; ++i)
+              for (int j = 0; j < mb; ++j) put(m + j, n + i, out[i][j]);
+          }
         }
-    });
+      });
+    }
   } else {
     const float* xp = x.data_ptr<float>();
     const float* wp = w.data_ptr<float>();
