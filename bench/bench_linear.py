@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Linear layers at decode sizes on the CPU: F.linear vs oneDNN prepacked vs the native skinny
-kernel, over the default model's weight shapes (30 layers of qkv / o / gate_up / down plus the
+kernel (row layout, and bf16's packed layout), over the default model's weight shapes (30 layers of qkv / o / gate_up / down plus the
 LM head: the bytes one decode step reads), for 1..24 input rows.
 
     .venv/bin/python bench/bench_linear.py [--dtypes bfloat16,float32] [--rows 1,2,4,8,16,24]
@@ -49,6 +49,9 @@ def paths(ws: list[torch.Tensor]) -> dict:
     mod = kernels.native()
     if mod is not None:
         out["native-skinny"] = lambda x, i: mod.skinny_linear(x, ws[i], None)
+        if ws[0].dtype == torch.bfloat16:  # the packed layout the engine uses for bf16 (engine/layers.py)
+            vnni = [mod.pack_bf16(w) for w in ws]
+            out["native-packed"] = lambda x, i: mod.skinny_linear(x, vnni[i], None)
     return out
 
 

@@ -11,17 +11,21 @@ from engine import kernels
 
 
 FAST_DTYPES = (torch.float32, torch.bfloat16)
-# Up to this many input rows the native kernel (and with it the fused decode stack) is used:
-# measured end to end (engine/profile.py's verify cost, default model, bf16, 2 cores) it beats
-# the per-op path with oneDNN from 5 to 8 rows (13.8-17.4 vs 19.7 ms at 5, 18.5 vs 23.0 ms at 8)
-# and loses from 12 rows (27.5 vs 26.1 ms).
-SKINNY_MAX_ROWS = 8
+# Up to how many input rows the native kernels take a linear (and the fused decode stack a
+# whole forward), by weight layout; more rows go to oneDNN. Measured (bench/bench_linear.py, the
+# default model's shapes, bf16, 2 cores): the packed bf16 layout reads the weights once for up to
+# 8 rows and needs no horizontal sums, 8.7 ms for 8 rows against oneDNN's 13.6 and 14.8 against
+# 18.6 ms at 16; end to end a 16-token verify takes 22.8 ms in the stack against 31 ms with
+# oneDNN. The row layout (float32, or shapes that cannot be packed) wins only up to 4 rows.
+PACKED_MAX_ROWS = 16
+ROW_LAYOUT_MAX_ROWS = 4
+SKINNY_MAX_ROWS = PACKED_MAX_ROWS  # the most rows any native path takes
 
 
 class Linear(nn.Module):
     """y = x W^T (+ b). On the CPU in float32/bfloat16, `prepack()` sets up two faster paths
     than F.linear (MKL reads weights at ~10 GB/s for one-row inputs on these AMD machines):
-    the native skinny kernel (engine/kernels) for up to SKINNY_MAX_ROWS rows, and oneDNN's
+    the native skinny kernel (engine/kernels) for up to native_max_rows rows, and oneDNN's
     prepacked blocked layout for more rows (bench/bench_linear.py measures all three)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
@@ -30,12 +34,19 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self._packed: torch.Tensor | None = None
         self._skinny = None
+        self.native_weight: torch.Tensor | None = None  # what the native kernel reads (maybe packed)
+        self.native_max_rows = 0  # inputs up to this many rows go to the native kernel
 
     def prepack(self, native: bool = True) -> bool:
         w = self.weight
         if w.device.type != "cpu" or w.dtype not in FAST_DTYPES:
             return False
         self._skinny = kernels.skinny_linear() if native else None
+        self.native_weight = w.data
+        self.native_max_rows = ROW_LAYOUT_MAX_ROWS if self._skinny is not None else 0
+        if self._skinny is not None and w.dtype == torch.bfloat16 and w.shape[0] % 32 == 0 and w.shape[1] % 2 == 0:
+            self.native_weight = kernels.native().pack_bf16(w.data)
+            self.native_max_rows = PACKED_MAX_ROWS
         if _onednn_ok():
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w.data, 1)
         return self._skinny is not None or self._packed is not None
@@ -43,8 +54,8 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor, float_out: bool = False) -> torch.Tensor:
         """float_out: return float32 (where the native kernel runs, straight from its float32
         accumulator, not rounded through the weight dtype)."""
-        if self._skinny is not None and x.shape[0] <= SKINNY_MAX_ROWS:
-            return self._skinny(x.contiguous(), self.weight, self.bias, float_out)
+        if x.shape[0] <= self.native_max_rows:
+            return self._skinny(x.contiguous(), self.native_weight, self.bias, float_out)
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -26,9 +26,10 @@ class EngineDead(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, loop: EngineLoop, on_step=None, on_finish=None):
+    def __init__(self, loop: EngineLoop, on_step=None, on_finish=None, trim_interval: float | None = 30.0):
         """on_step(seqs, results, outputs, step_seconds): called on the event loop after every
-        step (metrics); results are the engine's SeqResults (or exceptions) of the step."""
+        step (metrics); results are the engine's SeqResults (or exceptions) of the step.
+        trim_interval: seconds between returns of the C heap's free pages to the OS (None: never)."""
         self.engine = loop
         self.on_step = on_step
         self.on_finish = on_finish  # on_finish(final RequestOutput): every request's end, aborts included
@@ -40,6 +41,7 @@ class AsyncEngine:
         self._stopping = False
         self.error: BaseException | None = None  # what killed the loop, if anything
         self.last_progress = time.monotonic()  # last step end, or last time it had nothing to do
+        self._trim = _HeapTrimmer(trim_interval)
         self.busy_since: float | None = None  # start of the step in flight
 
     # ------------------------------------------------------------------ lifecycle
@@ -128,6 +130,7 @@ class AsyncEngine:
                     self._abort_now(seq_id)
                 self._aborts.clear()
                 if not self.engine.has_unfinished:
+                    self._trim.maybe(idle=True)
                     self.last_progress = time.monotonic()
                     self._wake.clear()
                     await self._wake.wait()
@@ -154,6 +157,7 @@ class AsyncEngine:
                         self._finished(out)
                 if self.on_step is not None:
                     self.on_step(seqs, results, outputs, self.last_progress - t0)
+                self._trim.maybe()
                 await asyncio.sleep(0)  # let the streams run before the next step
         except Exception as e:  # noqa: BLE001 - a bug in the loop itself: fail every request
             self.error = e
@@ -178,3 +182,34 @@ class AsyncEngine:
     def _finished(self, out: RequestOutput) -> None:
         if self.on_finish is not None:
             self.on_finish(out)
+
+
+class _HeapTrimmer:
+    """Hands the C heap's free pages back to the OS (glibc's malloc_trim) every `interval`
+    seconds of work and whenever the engine goes idle. Steps allocate and free tensors of many
+    sizes (batch and tree shapes change every step); glibc keeps freed heap pages mapped, so
+    without this the process's RSS creeps up in steps as new peak shapes appear, though nothing
+    leaks (bench/soak.py measures both ways). A no-op where malloc_trim does not exist."""
+
+    def __init__(self, interval: float | None):
+        self.interval = interval
+        self.last = time.monotonic()
+        self.calls = 0
+        self._fn = None
+        if interval is not None:
+            try:
+                import ctypes
+                self._fn = ctypes.CDLL("libc.so.6").malloc_trim
+            except (OSError, AttributeError):
+                self._fn = None
+
+    def maybe(self, idle: bool = False) -> None:
+        if self._fn is None:
+            return
+        now = time.monotonic()
+        if idle and self.calls and now - self.last < 1.0:
+            return  # idle again within a second: nothing new to return
+        if idle or now - self.last >= self.interval:
+            self._fn(0)
+            self.last = now
+            self.calls += 1

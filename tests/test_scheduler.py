@@ -284,3 +284,21 @@ def test_rounds_without_drafting_keep_the_head_in_sync(tiny_llama, head_dir):
     assert [o.token_ids for o in outs] == ref
     assert sum(o.spec.verify_steps for o in outs) > 0
     assert max(backlog) <= 16 + 8  # bounded by SYNC_BACKLOG (+ one round), never a growing backlog
+
+
+def test_heap_trimmer_runs_on_its_interval_and_when_idle(monkeypatch):
+    from scheduler import async_engine
+    calls = []
+    trim = async_engine._HeapTrimmer(interval=60.0)
+    if trim._fn is None:
+        pytest.skip("no malloc_trim in this C library")
+    trim._fn = lambda pad: calls.append(pad)
+    trim.maybe()
+    assert calls == []  # busy, interval not reached
+    trim.maybe(idle=True)
+    trim.maybe(idle=True)  # idle again within a second: once is enough
+    assert calls == [0]
+    trim.last -= 61
+    trim.maybe()
+    assert calls == [0, 0]
+    assert async_engine._HeapTrimmer(interval=None)._fn is None

@@ -63,7 +63,8 @@ struct DecodeStack {
               int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale)
       : in_norm(in_norm), qkv(qkv), qkv_bias(qkv_bias), o(o), o_bias(o_bias), post_norm(post_norm),
         gate_up(gate_up), down(down), final_norm(final_norm), heads(heads), kv_heads(kv_heads),
-        head_dim(head_dim), inter(down[0].size(1)), eps(eps), scale(scale) {}
+        head_dim(head_dim), inter(down[0].dim() == 3 ? down[0].size(1) * 2 : down[0].size(1)), eps(eps),
+        scale(scale) {}
 
   // h: [T, hidden] embeddings; kv: [layers, 2, S, Hkv, D]; cos/sin: [T, D] float32.
   torch::Tensor forward(torch::Tensor h, torch::Tensor kv, torch::Tensor slot_mapping, torch::Tensor kv_gather,

@@ -60,61 +60,50 @@ inline float dot_f32(const float* x, const float* w, int64_t K) {
   return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
 }
 
-// More input rows (tree verification, batches of decodes): a register tile of NB weight rows x
-// MB input rows. Each k-step loads NB + MB vectors for NB * MB dot-product instructions instead
-// of two loads per instruction, which is what bounds the row-at-a-time loop once the weights
-// are in cache. The tile's weight rows still stream front to back.
-template <int NB, int MB>
-__attribute__((always_inline)) inline void tile_bf16(const uint16_t* x, const uint16_t* w, int64_t K, float* out, int ld) {
-  __m512 acc[NB][MB];
+// Packed bfloat16 weights for few-row products without horizontal sums. Layout [N / 32, K / 2, 64]:
+// for every tile of 32 outputs and every pair of inputs (k, k + 1), the 32 outputs' weight pairs
+// side by side (two 64-byte vectors, 16 outputs each), so one VDPBF16PS against the input pair
+// broadcast to all lanes adds that pair's products to 16 outputs at once. A tile's weights are
+// one contiguous stream, read once for up to PACKED_TILE_M input rows held in registers. Every
+// output is one accumulator lane summed over k in order, whatever the number of rows, so a
+// row's result does not depend on the batch it came in.
+constexpr int PACKED_TILE_M = 8;
+
+template <int MB>
+__attribute__((always_inline)) inline void packed_tile(const uint16_t* x, int64_t K, const uint16_t* wt, float* out) {
+  __m512 a0[MB], a1[MB];
 #pragma GCC unroll 8
-  for (int i = 0; i < NB; ++i)
-#pragma GCC unroll 8
-    for (int j = 0; j < MB; ++j) acc[i][j] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 32 <= K; k += 32) {
-    __m512bh wv[NB];
-#pragma GCC unroll 8
-    for (int i = 0; i < NB; ++i) wv[i] = (__m512bh)_mm512_loadu_si512(w + i * K + k);
-#pragma GCC unroll 8
-    for (int j = 0; j < MB; ++j) {
-      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + j * K + k);
-#pragma GCC unroll 8
-      for (int i = 0; i < NB; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[i]);
-    }
-  }
-  if (k < K) {  // last 1..31 elements, masked past K
-    const __mmask32 m = (__mmask32)((1u << (K - k)) - 1);
-    __m512bh wv[NB];
-#pragma GCC unroll 8
-    for (int i = 0; i < NB; ++i) wv[i] = (__m512bh)_mm512_maskz_loadu_epi16(m, w + i * K + k);
+  for (int j = 0; j < MB; ++j) a0[j] = a1[j] = _mm512_setzero_ps();
+  const int64_t K2 = K / 2;
+  for (int64_t kp = 0; kp < K2; ++kp) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wt + kp * 64);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wt + kp * 64 + 32);
 #pragma GCC unroll 8
     for (int j = 0; j < MB; ++j) {
-      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, x + j * K + k);
-#pragma GCC unroll 8
-      for (int i = 0; i < NB; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[i]);
+      int32_t pair;
+      std::memcpy(&pair, x + j * K + 2 * kp, 4);
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+      a0[j] = _mm512_dpbf16_ps(a0[j], xb, w0);
+      a1[j] = _mm512_dpbf16_ps(a1[j], xb, w1);
     }
   }
 #pragma GCC unroll 8
-  for (int i = 0; i < NB; ++i)
-#pragma GCC unroll 8
-    for (int j = 0; j < MB; ++j) out[i * ld + j] = _mm512_reduce_add_ps(acc[i][j]);
+  for (int j = 0; j < MB; ++j) {
+    _mm512_storeu_ps(out + j * 32, a0[j]);
+    _mm512_storeu_ps(out + j * 32 + 16, a1[j]);
+  }
 }
 
-constexpr int TILE_N = 1, TILE_M = 8;
-constexpr int64_t ROW_AT_A_TIME_MAX = 4;  // up to this many rows: one weight row at a time (measured)
-
-template <int NB>
-inline void tile_rows(int mb, const uint16_t* x, const uint16_t* w, int64_t K, float out[TILE_N][TILE_M]) {
+inline void packed_rows(int mb, const uint16_t* x, int64_t K, const uint16_t* wt, float* out) {
   switch (mb) {
-    case 1: tile_bf16<NB, 1>(x, w, K, &out[0][0], TILE_M); break;
-    case 2: tile_bf16<NB, 2>(x, w, K, &out[0][0], TILE_M); break;
-    case 3: tile_bf16<NB, 3>(x, w, K, &out[0][0], TILE_M); break;
-    case 4: tile_bf16<NB, 4>(x, w, K, &out[0][0], TILE_M); break;
-    case 5: tile_bf16<NB, 5>(x, w, K, &out[0][0], TILE_M); break;
-    case 6: tile_bf16<NB, 6>(x, w, K, &out[0][0], TILE_M); break;
-    case 7: tile_bf16<NB, 7>(x, w, K, &out[0][0], TILE_M); break;
-    default: tile_bf16<NB, 8>(x, w, K, &out[0][0], TILE_M); break;
+    case 1: packed_tile<1>(x, K, wt, out); break;
+    case 2: packed_tile<2>(x, K, wt, out); break;
+    case 3: packed_tile<3>(x, K, wt, out); break;
+    case 4: packed_tile<4>(x, K, wt, out); break;
+    case 5: packed_tile<5>(x, K, wt, out); break;
+    case 6: packed_tile<6>(x, K, wt, out); break;
+    case 7: packed_tile<7>(x, K, wt, out); break;
+    default: packed_tile<8>(x, K, wt, out); break;
   }
 }
 
@@ -127,7 +116,46 @@ void check(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<t
 
 }  // namespace
 
+torch::Tensor pack_bf16(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.is_contiguous(), "w: contiguous bf16 [N, K]");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(N % 32 == 0 && K % 2 == 0, "packing needs N % 32 == 0 and even K");
+  // [N, K] -> [N/32, 32, K/2, 2] -> [N/32, K/2, 32, 2]
+  return w.view({N / 32, 32, K / 2, 2}).permute({0, 2, 1, 3}).contiguous().view({N / 32, K / 2, 64});
+}
+
+torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& wp, const c10::optional<torch::Tensor>& bias,
+                            bool float_out) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, "x: contiguous bf16 [M, K]");
+  TORCH_CHECK(wp.dim() == 3 && wp.size(2) == 64 && wp.scalar_type() == at::kBFloat16, "wp: pack_bf16 output");
+  const int64_t M = x.size(0), K = wp.size(1) * 2, N = wp.size(0) * 32;
+  TORCH_CHECK(x.size(1) == K, "x [M, K] does not match the packed weight's K");
+  if (bias) TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == at::kBFloat16, "bias");
+  auto y = torch::empty({M, N}, float_out ? x.options().dtype(at::kFloat) : x.options());
+  auto xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  auto wpp = reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>());
+  auto bp = bias ? reinterpret_cast<const uint16_t*>(bias->data_ptr<at::BFloat16>()) : nullptr;
+  float* yf = float_out ? y.data_ptr<float>() : nullptr;
+  uint16_t* yh = float_out ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  at::parallel_for(0, N / 32, 2, [&](int64_t t0, int64_t t1) {
+    float out[PACKED_TILE_M * 32];
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t m = 0; m < M; m += PACKED_TILE_M) {
+        const int mb = static_cast<int>(std::min<int64_t>(PACKED_TILE_M, M - m));
+        packed_rows(mb, xp + m * K, K, wpp + t * (K / 2) * 64, out);
+        for (int j = 0; j < mb; ++j)
+          for (int i = 0; i < 32; ++i) {
+            const int64_t n = t * 32 + i;
+            const float v = out[j * 32 + i] + (bp ? bf16_to_float(bp[n]) : 0.f);
+            if (yf) yf[(m + j) * N + n] = v; else yh[(m + j) * N + n] = to_bf16(v);
+          }
+      }
+  });
+  return y;
+}
+
 torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, bool float_out) {
+  if (w.dim() == 3) return packed_linear(x, w, bias, float_out);  // pack_bf16's layout
   check(x, w, bias);
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
@@ -145,27 +173,11 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
       v += bp ? bf16_to_float(bp[n]) : 0.f;
       if (yf) yf[m * N + n] = v; else yh[m * N + n] = to_bf16(v);
     };
-    if (M <= ROW_AT_A_TIME_MAX) {
-      at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-        for (int64_t n = n0; n < n1; ++n)
-          for (int64_t m = 0; m < M; ++m)  // the row is in L1 after the first input row
-            put(m, n, dot_bf16(xp + m * K, wp + n * K, K));
-      });
-    } else {
-      at::parallel_for(0, (N + TILE_N - 1) / TILE_N, 32, [&](int64_t b0, int64_t b1) {
-        float out[TILE_N][TILE_M];
-        for (int64_t b = b0; b < b1; ++b) {
-          const int64_t n = b * TILE_N;
-          const int nb = static_cast<int>(std::min<int64_t>(TILE_N, N - n));
-          for (int64_t m = 0; m < M; m += TILE_M) {
-            const int mb = static_cast<int>(std::min<int64_t>(TILE_M, M - m));
-            tile_rows<TILE_N>(mb, xp + m * K, wp + n * K, K, out);
-            for (int i = 0; i < nb; ++i)
-              for (int j = 0; j < mb; ++j) put(m + j, n + i, out[i][j]);
-          }
-        }
-      });
-    }
+    at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n)
+        for (int64_t m = 0; m < M; ++m)  // the row is in L1 after the first input row
+          put(m, n, dot_bf16(xp + m * K, wp + n * K, K));
+    });
   } else {
     const float* xp = x.data_ptr<float>();
     const float* wp = w.data_ptr<float>();
@@ -187,7 +199,8 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor w
 void register_decode_stack(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("skinny_linear", &skinny_linear, "y = x @ w.T (+ bias) for few rows of x",
+  m.def("pack_bf16", &pack_bf16, "bf16 weight [N, K] -> the packed layout skinny_linear also takes");
+  m.def("skinny_linear", &skinny_linear, "y = x @ w.T (+ bias) for few rows of x (w [N, K] or pack_bf16(w))",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias"), pybind11::arg("float_out") = false);
   m.def("paged_attention", &paged_attention, "attention of few queries over block-table slots");
   m.def("add_rms_norm", &add_rms_norm, "x += delta; return rms_norm(x) * weight");

@@ -15,7 +15,7 @@ from engine.attention import AttentionBackend
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVCache
 from engine import kernels
-from engine.layers import FAST_DTYPES, SKINNY_MAX_ROWS, Linear, RMSNorm, RotaryEmbedding, apply_rope
+from engine.layers import FAST_DTYPES, Linear, RMSNorm, RotaryEmbedding, apply_rope
 from engine.model_config import ModelConfig
 
 
@@ -87,10 +87,11 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         self._stack = None  # native decode stack, set by prepack() where available
+        self._stack_max_rows = 0  # batches of up to this many tokens run through it
 
     def forward(self, batch: ForwardBatch, kv: KVCache, backend: AttentionBackend) -> torch.Tensor:
         """Final-norm hidden states [T, hidden] of every new token."""
-        if self._stack is not None and batch.input_ids.shape[0] <= SKINNY_MAX_ROWS and backend.name == "native":
+        if self._stack is not None and batch.input_ids.shape[0] <= self._stack_max_rows and backend.name == "native":
             return self._native_forward(batch, kv)
         h = self.model.embed_tokens(batch.input_ids)
         batch.cos, batch.sin = self.model.rotary.lookup(batch.positions, h.dtype)
@@ -110,6 +111,7 @@ class LlamaForCausalLM(nn.Module):
         mod = kernels.native() if native else None
         if mod is not None and not self.config.mlp_bias and self.lm_head.weight.dtype in FAST_DTYPES:
             self._stack = self._build_stack(mod)
+            self._stack_max_rows = min(m.native_max_rows for m in self.model.modules() if isinstance(m, Linear))
         return packed
 
     def _build_stack(self, mod):
@@ -117,10 +119,10 @@ class LlamaForCausalLM(nn.Module):
         none = torch.empty(0)
         bias = lambda lin: lin.bias.data if lin.bias is not None else none  # noqa: E731
         return mod.DecodeStack(
-            [l.input_layernorm.weight.data for l in layers], [l.self_attn.qkv_proj.weight.data for l in layers],
-            [bias(l.self_attn.qkv_proj) for l in layers], [l.self_attn.o_proj.weight.data for l in layers],
+            [l.input_layernorm.weight.data for l in layers], [l.self_attn.qkv_proj.native_weight for l in layers],
+            [bias(l.self_attn.qkv_proj) for l in layers], [l.self_attn.o_proj.native_weight for l in layers],
             [bias(l.self_attn.o_proj) for l in layers], [l.post_attention_layernorm.weight.data for l in layers],
-            [l.mlp.gate_up_proj.weight.data for l in layers], [l.mlp.down_proj.weight.data for l in layers],
+            [l.mlp.gate_up_proj.native_weight for l in layers], [l.mlp.down_proj.native_weight for l in layers],
             self.model.norm.weight.data, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
             cfg.head_dim ** -0.5)
 
