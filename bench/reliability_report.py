@@ -43,8 +43,8 @@ SCENARIOS = [
      "cut at the deadline, exit 0 within 15 s"),
     ("test_short_soak", "short soak (20 s)", "6 clients of mixed load (bench/soak.py's mix), eagle2",
      "no unexpected outcome, no engine error, blocks back, /health 200, exit 0"),
-    ("test_requests_leave_no_python", "per-request leaks", "300 mixed requests after a warm-up",
-     "engine maps empty, live Python objects flat"),
+    ("test_requests_leave_no_python", "per-request leaks", "150 mixed requests after a warm-up",
+     "engine maps empty, no object of the project's own types left behind"),
 ]
 
 
