@@ -17,6 +17,9 @@ import xml.etree.ElementTree as ET
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+from tests.test_reliability import _bad_inputs  # noqa: E402  (the hand-written cases, counted)
 
 # test name prefix -> (scenario, load held, faults injected / bad input tried, what must be lost: nothing)
 SCENARIOS = [
@@ -25,7 +28,7 @@ SCENARIOS = [
      "every status documented, no 5xx, documented shapes"),
     ("test_fuzzing_leaves", "after fuzzing", "-", "all KV blocks free, /health 200"),
     ("test_hand_written_bad_inputs", "hand-written bad inputs",
-     "44 cases (invalid JSON / UTF-8, NaN, 100k-deep nesting, huge n, 10k stop strings, ids outside the "
+     f"{len(_bad_inputs(320, 128)) + 1} cases (invalid JSON / UTF-8, NaN, 100k-deep nesting, huge n, 10k stop strings, ids outside the "
      "vocabulary, 10 MB body with and without Content-Length, ...)", "clear 4xx in OpenAI's shape, no leak"),
     ("test_disconnect_storm", "disconnect storm",
      "200 streams, 64 at a time; ~30% of clients leave at a random chunk", "blocks back to start, /health 200, "
@@ -68,7 +71,8 @@ def main() -> int:
     soak_path = os.path.join(out_dir, "soak.json")
     soak = None
     if os.path.exists(soak_path):
-        s = json.load(open(soak_path))
+        with open(soak_path) as f:
+            s = json.load(f)
         soak = {k: s[k] for k in ("minutes", "concurrency", "requests", "counts", "unexpected", "finished_by_reason",
                                   "generation_tokens", "rss_start_mb", "rss_end_mb",
                                   "rss_slope_mb_per_min_after_warmup", "final_kv_usage", "final_health", "verdict",

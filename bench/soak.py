@@ -36,6 +36,8 @@ sys.path.insert(0, ROOT)
 
 import httpx2 as httpx  # noqa: E402
 
+from server.metrics import parse_metrics  # noqa: E402
+
 KINDS = (("chat_stream", 35), ("completion", 20), ("chat_n2", 10), ("logprobs", 10), ("dropped_stream", 10),
          ("bad_request", 15))
 TOPICS = ["Explain how a hash map works.", "Write a haiku about the sea.", "What is speculative decoding?",
@@ -44,12 +46,7 @@ TOPICS = ["Explain how a hash map works.", "Write a haiku about the sea.", "What
 
 
 def metrics(url: str) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
+    return parse_metrics(httpx.get(url + "/metrics", timeout=10).text)
 
 
 async def _one(client: httpx.AsyncClient, model: str, kind: str, rng: random.Random, max_context: int) -> str:

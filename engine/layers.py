@@ -15,8 +15,8 @@ FAST_DTYPES = (torch.float32, torch.bfloat16)
 # whole forward), by weight layout; more rows go to oneDNN. Measured (bench/bench_linear.py, the
 # default model's shapes, bf16, 2 cores): the packed bf16 layout reads the weights once for up to
 # 8 rows and needs no horizontal sums, 8.7 ms for 8 rows against oneDNN's 13.6 and 14.8 against
-# 18.6 ms at 16; end to end a 16-token verify takes 22.8 ms in the stack against 31 ms with
-# oneDNN. The row layout (float32, or shapes that cannot be packed) wins only up to 4 rows.
+# 18.6 ms at 16; end to end (bench/bench_verify_cost.py) a 16-token verify takes 25.9 ms in
+# the stack against 32.9 ms per-op with oneDNN. The row layout (float32, or shapes that cannot be packed) wins only up to 4 rows.
 PACKED_MAX_ROWS = 16
 ROW_LAYOUT_MAX_ROWS = 4
 SKINNY_MAX_ROWS = PACKED_MAX_ROWS  # the most rows any native path takes

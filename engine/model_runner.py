@@ -92,11 +92,11 @@ class ModelRunner:
         c, m = self.config, self.loaded.config
         tokens = c.kv_cache_tokens
         if tokens is None:
-            per_token = KVCache.bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, self.dtype)
             if self.device.type == "cuda":  # gpu_memory_utilization of the GPU, after weights and activations
                 from engine.gpu_memory import cuda_kv_cache_tokens
                 budget = cuda_kv_cache_tokens(self)
             else:
+                per_token = KVCache.bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, self.dtype)
                 budget = int(_memory_bytes(self.device) * c.kv_cache_memory_fraction) // per_token
             tokens = min(budget, c.max_num_seqs * m.max_model_len)
         return max(1, tokens // c.block_size)

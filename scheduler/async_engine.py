@@ -11,6 +11,7 @@ model on the immutable steps it is given.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -26,10 +27,9 @@ class EngineDead(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, loop: EngineLoop, on_step=None, on_finish=None, trim_interval: float | None = 30.0):
+    def __init__(self, loop: EngineLoop, on_step=None, on_finish=None):
         """on_step(seqs, results, outputs, step_seconds): called on the event loop after every
-        step (metrics); results are the engine's SeqResults (or exceptions) of the step.
-        trim_interval: seconds between returns of the C heap's free pages to the OS (None: never)."""
+        step (metrics); results are the engine's SeqResults (or exceptions) of the step."""
         self.engine = loop
         self.on_step = on_step
         self.on_finish = on_finish  # on_finish(final RequestOutput): every request's end, aborts included
@@ -41,7 +41,7 @@ class AsyncEngine:
         self._stopping = False
         self.error: BaseException | None = None  # what killed the loop, if anything
         self.last_progress = time.monotonic()  # last step end, or last time it had nothing to do
-        self._trim = _HeapTrimmer(trim_interval)
+        self._trim = _HeapTrimmer(TRIM_INTERVAL)
         self.busy_since: float | None = None  # start of the step in flight
 
     # ------------------------------------------------------------------ lifecycle
@@ -184,12 +184,16 @@ class AsyncEngine:
             self.on_finish(out)
 
 
+TRIM_INTERVAL = 30.0  # seconds of work between returns of the C heap's free pages to the OS
+
+
 class _HeapTrimmer:
     """Hands the C heap's free pages back to the OS (glibc's malloc_trim) every `interval`
     seconds of work and whenever the engine goes idle. Steps allocate and free tensors of many
     sizes (batch and tree shapes change every step); glibc keeps freed heap pages mapped, so
     without this the process's RSS creeps up in steps as new peak shapes appear, though nothing
-    leaks (bench/soak.py measures both ways). A no-op where malloc_trim does not exist."""
+    leaks (bench/results/soak_without_trim.json is a soak from before this existed). A no-op
+    where malloc_trim does not exist, or with interval None."""
 
     def __init__(self, interval: float | None):
         self.interval = interval
@@ -198,7 +202,6 @@ class _HeapTrimmer:
         self._fn = None
         if interval is not None:
             try:
-                import ctypes
                 self._fn = ctypes.CDLL("libc.so.6").malloc_trim
             except (OSError, AttributeError):
                 self._fn = None

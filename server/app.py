@@ -61,12 +61,10 @@ class BackgroundServer:
     """The app under uvicorn on a free loopback port, in a daemon thread (tests, benchmarks)."""
 
     def __init__(self, state: ServerState, timeout: float = 30.0):
-        import socket
         import threading
         import uvicorn
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        from server.process import free_port
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=self.port,
                                                     log_level="warning"))
@@ -170,7 +168,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def completions(request: Request):
         req = await _parse(request, CompletionRequest, state)
         n = check_common(req)
-        if state.tokenizer is None and (isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], str))):
+        if state.tokenizer is None and (isinstance(req.prompt, str) or isinstance(req.prompt[0], str)):
             raise ApiError(400, "this server has no tokenizer; send token ids", "prompt")
         prompts = completion_prompts(req, state.tokenizer)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
@@ -455,6 +453,9 @@ def _chat_response(state: ServerState, handle: Handle, outs) -> dict:
             "model": state.model_name, "choices": choices, "usage": _usage(state, handle, outs)}
 
 
+_TIMED_OUT = object()
+
+
 async def _merged(state: ServerState, handle: Handle):
     """(choice index, output) from all sequences, as they come."""
     merged: asyncio.Queue = asyncio.Queue()
@@ -468,15 +469,16 @@ async def _merged(state: ServerState, handle: Handle):
                 return
 
     tasks = [asyncio.ensure_future(pump(i, q)) for i, q in enumerate(handle.queues)]
+    timer = None  # one timer per request puts the timeout into the same queue as the outputs
+    if handle.deadline is not None:
+        loop = asyncio.get_running_loop()
+        timer = loop.call_at(loop.time() + max(0.0, handle.deadline - time.monotonic()),
+                             merged.put_nowait, (None, _TIMED_OUT))
     try:
         while done < len(tasks):
-            if handle.deadline is None:
-                i, out = await merged.get()
-            else:
-                try:
-                    i, out = await asyncio.wait_for(merged.get(), max(0.0, handle.deadline - time.monotonic()))
-                except asyncio.TimeoutError:
-                    raise _timeout_error(handle) from None
+            i, out = await merged.get()
+            if out is _TIMED_OUT:
+                raise _timeout_error(handle)
             if isinstance(out, BaseException):
                 raise ApiError(503, str(out), code="engine_dead")
             if out.finished:
@@ -484,6 +486,8 @@ async def _merged(state: ServerState, handle: Handle):
                 handle.finished[i] = True
             yield i, out
     finally:
+        if timer is not None:
+            timer.cancel()
         for t in tasks:
             t.cancel()
         for i, seq_id in enumerate(handle.seq_ids):

@@ -23,6 +23,7 @@ from engine.sampling_params import SamplingParams
 from engine.spec.config import SpecConfig
 from server.app import BackgroundServer, ServerState
 from server.llm import LLM
+from server.metrics import parse_metrics
 from server.process import ServerProcess
 from tests.spec_helpers import write_eagle_head
 
@@ -61,10 +62,7 @@ class Live:
         return False
 
     def metric(self, name: str) -> float:
-        for line in httpx.get(self.url + "/metrics").text.splitlines():
-            if line.startswith(name + " "):
-                return float(line.rsplit(" ", 1)[1])
-        raise KeyError(name)
+        return parse_metrics(httpx.get(self.url + "/metrics").text)[name]
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +130,8 @@ def _bad_inputs(vocab: int, ctx: int):
         ("not an object", CHAT, b"[1, 2, 3]", 400),
         ("invalid UTF-8", CHAT, b'{"model": "tiny", "messages": [{"role": "user", "content": "\xff\xfe"}]}', 400),
         ("lone surrogate", CHAT, b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}', 400),
-        ("NaN temperature", CHAT, b'{"model": "tiny", "messages": [], "temperature": NaN}', 400),
+        ("NaN temperature", CHAT, b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], '
+                                  b'"temperature": NaN}', 400),
         ("Infinity top_p", COMP, b'{"model": "tiny", "prompt": "x", "top_p": Infinity}', 400),
         ("deep nesting", CHAT, b'{"model": "tiny", "messages": ' + b"[" * 100000 + b"]" * 100000 + b"}", 400),
         ("wrong type messages", CHAT, j(messages="hello"), 400),
@@ -177,14 +176,14 @@ def _bad_inputs(vocab: int, ctx: int):
 def test_hand_written_bad_inputs_get_clear_4xx_errors(live, tiny_llama):
     vocab = live.llm.loop.vocab_size
     ctx = live.llm.max_model_len
-    seen = []
     for name, path, body, status in _bad_inputs(vocab, ctx):
         r = httpx.post(live.url + path, content=body, headers={"content-type": "application/json"}, timeout=60)
-        seen.append((name, r.status_code))
         assert r.status_code == status, (name, r.status_code, r.text[:300])
         if status >= 400:
             err = r.json()["error"]
             assert set(err) == ERROR_KEYS and err["message"], name
+        if name.startswith(("NaN", "Infinity")):  # refused by the JSON parser, not by a range check
+            assert "not valid JSON" in err["message"] and name.split()[0] in err["message"], err
     # a 10 MB body sent chunked (no Content-Length) is cut off at the limit too
     def chunks():
         for _ in range(10):
@@ -252,7 +251,7 @@ def test_disconnect_storm_frees_every_block_and_leaves_outputs_intact(tiny_llama
         assert httpx.get(srv.url + "/health").status_code == 200
         completed = [(t, u) for t, u in zip(texts, undisturbed) if t is not None]
         dropped = sum(t is None for t in texts)
-        assert 40 <= dropped <= 80 and len(completed) == 200 - dropped
+        assert 40 <= dropped <= 80
         mismatched = [i for i, (t, u) in enumerate(completed) if t != u]
         assert not mismatched, f"{len(mismatched)} completed outputs differ from their undisturbed runs"
         assert srv.metric('eagle_serve_requests_total{finish_reason="error"}') == 0
@@ -373,7 +372,7 @@ def test_cors_is_off_unless_configured(tiny_llama):
         r = httpx.options(srv.url + CHAT, headers={**pre, "origin": "https://app.example"})
         assert r.headers.get("access-control-allow-origin") == "https://app.example"
         r = httpx.options(srv.url + CHAT, headers=pre)
-        assert r.headers.get("access-control-allow-origin") != "https://evil.example"
+        assert "access-control-allow-origin" not in r.headers
     finally:
         srv.bg.stop()
 

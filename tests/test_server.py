@@ -13,6 +13,7 @@ import pytest
 from engine.spec.config import SpecConfig
 from server.app import BackgroundServer, ServerState
 from server.llm import LLM
+from server.metrics import parse_metrics
 from tests.spec_helpers import write_eagle_head
 
 
@@ -26,12 +27,7 @@ class LiveServer:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
 
     def metrics(self) -> dict[str, float]:
-        out = {}
-        for line in httpx.get(self.url + "/metrics").text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                out[name] = float(value)
-        return out
+        return parse_metrics(httpx.get(self.url + "/metrics").text)
 
     def stop(self):
         self.background.stop()
