@@ -39,12 +39,19 @@ class TorchAttention(AttentionBackend):
     def __init__(self, scale: float):
         self.scale = scale
 
-    def forward(self, q, k, v, layer, batch, kv):
+    @staticmethod
+    def store_and_gather(k, v, layer, batch, kv):
+        """Write the new K/V, then every sequence's keys and values as [B, Hkv, L, D]."""
         k_cache, v_cache = kv.store(layer, batch.slot_mapping, k, v)
-        B, Q, L = batch.num_seqs, batch.max_query_len, batch.max_kv_len
-        T, H, D = q.shape
-        keys = k_cache.index_select(0, batch.kv_gather).view(B, L, -1, D).transpose(1, 2)  # [B, Hkv, L, D]
+        B, L, D = batch.num_seqs, batch.max_kv_len, k.shape[-1]
+        keys = k_cache.index_select(0, batch.kv_gather).view(B, L, -1, D).transpose(1, 2)
         values = v_cache.index_select(0, batch.kv_gather).view(B, L, -1, D).transpose(1, 2)
+        return keys, values
+
+    def forward(self, q, k, v, layer, batch, kv):
+        keys, values = self.store_and_gather(k, v, layer, batch, kv)
+        B, Q = batch.num_seqs, batch.max_query_len
+        T, H, D = q.shape
         if batch.q_index is None:  # one sequence: no padding
             queries = q.transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
         else:

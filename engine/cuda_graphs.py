@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionBackend
+from engine.attention import AttentionBackend, TorchAttention
 from engine.forward_batch import ForwardBatch, SeqSpan, build_forward_batch
 
 log = logging.getLogger(__name__)
@@ -229,24 +229,19 @@ def expand_batch(input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping:
         kv_lens=(num_cached + num_new).long(), q_seq=rows // Q, q_row=rows % Q)
 
 
-class PaddedAttention(AttentionBackend):
+class PaddedAttention(TorchAttention):
     """Attention over a padded [B * Q] batch with fixed shapes: KV write, gather of L keys per
     sequence, one SDPA. Query heads sharing a KV head are stacked on the query axis
     ([B, Hkv, G * Q, D]) so no key is copied per query head and no `enable_gqa` is needed."""
 
     name = "padded"
 
-    def __init__(self, scale: float):
-        self.scale = scale
-
     def forward(self, q, k, v, layer, batch, kv):
-        k_cache, v_cache = kv.store(layer, batch.slot_mapping, k, v)
+        keys, values = self.store_and_gather(k, v, layer, batch, kv)
         B, Q, L = batch.num_seqs, batch.max_query_len, batch.max_kv_len
         _, H, D = q.shape
         hkv = k.shape[1]
         g = H // hkv
-        keys = k_cache.index_select(0, batch.kv_gather).view(B, L, hkv, D).transpose(1, 2)  # [B, Hkv, L, D]
-        values = v_cache.index_select(0, batch.kv_gather).view(B, L, hkv, D).transpose(1, 2)
         queries = q.view(B, Q, hkv, g, D).permute(0, 2, 3, 1, 4).reshape(B, hkv, g * Q, D)
         mask = batch.attn_mask if g == 1 else batch.attn_mask.expand(B, g, Q, L).reshape(B, 1, g * Q, L)
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=self.scale)
