@@ -85,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--regenerate", action="store_true", help="replace assistant turns with the target's own answers")
     t.add_argument("--regen-max-tokens", type=int, default=384)
     t.add_argument("--draft-vocab", type=int, default=None, help="reduced draft vocabulary of the K most frequent tokens")
+    t.add_argument("--init", default=None, help="start from this head directory (weights and draft vocabulary)")
+    t.add_argument("--ttt-steps", type=int, default=1,
+                   help="training-time test: also train the head on its own predictions for this many steps")
+    t.add_argument("--p-weight", type=float, default=0.1, help="weight of the token-distribution loss")
     t.add_argument("--heldout-fraction", type=float, default=0.02)
     t.add_argument("--snapshots", type=int, default=8, help="heads saved along training, for the acceptance curve")
     t.add_argument("--seed", type=int, default=0)
@@ -158,8 +162,11 @@ def cmd_train_draft(args) -> int:
                       lr=args.lr, batch_tokens=args.batch_tokens, noise=args.noise, draft_vocab=args.draft_vocab,
                       regenerate=args.regenerate, regen_max_tokens=args.regen_max_tokens,
                       heldout_fraction=args.heldout_fraction, snapshots=args.snapshots, seed=args.seed,
-                      dtype=args.dtype, progress=not args.no_progress)
-    card = train_draft(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
+                      dtype=args.dtype, progress=not args.no_progress, init=args.init,
+                      ttt_steps=args.ttt_steps, p_weight=args.p_weight)
+    from scheduler.worker import on_engine_thread
+    # on the engine thread, where regeneration's LLM runs too: one thread does all torch work
+    card = on_engine_thread(train_draft, cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(json.dumps({k: card[k] for k in ("heldout_loss", "heldout_top1", "heldout_top1_full_vocab",
                                            "train_tokens_seen", "train_seconds") if k in card}))
     return 0

@@ -16,13 +16,18 @@ from scheduler.block_allocator import BlockAllocator
 from scheduler.loop import EngineLoop
 from scheduler.output_processor import RequestOutput
 from scheduler.scheduler import SchedulerConfig
+from scheduler.worker import on_engine_thread
 
 Prompt = str | list[int]
 
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_kwargs):
+        """Built on the process's engine thread (scheduler.worker), where its steps run too."""
         self.engine_config = EngineConfig(model=model, **engine_kwargs)
+        on_engine_thread(self._build)
+
+    def _build(self) -> None:
         self.runner = ModelRunner(self.engine_config)
         loaded = self.runner.loaded
         self.tokenizer = loaded.tokenizer
@@ -75,7 +80,7 @@ class LLM:
             for s in seqs:  # all or nothing: an invalid prompt cancels the whole call
                 self.loop.abort(s.seq_id)
             raise
-        final = self.loop.run_to_completion()
+        final = on_engine_thread(self.loop.run_to_completion)
         outs = [final[s.seq_id] for s in seqs]
         failed = [o for o in outs if o.finish_reason == "error"]
         if failed:

@@ -263,7 +263,9 @@ class AlternatingBudget:
         pass
 
 
-def test_rounds_without_drafting_keep_the_head_in_sync(tiny_llama, head_dir):
+def test_rounds_without_drafting_keep_the_head_in_sync(tiny_llama, head_dir, monkeypatch):
+    from engine.spec import eagle_drafter
+    monkeypatch.setattr(eagle_drafter, "SYNC_BACKLOG", 5)  # small enough for these short requests
     reqs = workload(4, seed=3)
     ref = one_at_a_time(LLM(tiny_llama[0], **KW, kv_cache_tokens=4096), reqs)
     llm = LLM(tiny_llama[0], **KW, kv_cache_tokens=4096, draft=head_dir, tree_budget=False,
@@ -283,7 +285,8 @@ def test_rounds_without_drafting_keep_the_head_in_sync(tiny_llama, head_dir):
     outs = llm.generate([p for p, _ in reqs], [sp for _, sp in reqs])
     assert [o.token_ids for o in outs] == ref
     assert sum(o.spec.verify_steps for o in outs) > 0
-    assert max(backlog) <= 16 + 8  # bounded by SYNC_BACKLOG (+ one round), never a growing backlog
+    assert max(backlog) <= 5 + 8  # bounded by SYNC_BACKLOG (+ one round), never a growing backlog
+    assert max(backlog) > 0  # and the idle rounds did pile up pairs
 
 
 def test_heap_trimmer_runs_on_its_interval_and_when_idle(monkeypatch):

@@ -193,3 +193,49 @@ def test_regeneration_keeps_ids_and_resumes(tiny_llama, tmp_path, monkeypatch):
     assert any(ex.ids[i:i + len(turn)] == turn for i in range(len(ex.ids)))  # the ids themselves, not re-encoded
     monkeypatch.setattr("server.llm.LLM", lambda *a, **k: (_ for _ in ()).throw(AssertionError("regenerated again")))
     assert trainer.regenerate(cfg, convs, log=lambda m: None) == first  # resumed from regenerated.jsonl
+
+
+def test_training_time_test_steps_are_the_drafting_computation(tiny_llm):
+    """forward_steps' step s at position i equals drafting s levels deep from the true pairs up
+    to i - s + 1: the head run causally over those pairs, then over its own chained predictions."""
+    from engine.train.head import TrainHead
+    torch.manual_seed(0)
+    cfg = tiny_llm.runner.loaded.config
+    head = TrainHead(cfg).double()
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.3)  # far from the small init, so a wrong key or position would show
+    T, h = 9, cfg.hidden_size
+    emb, feats = torch.randn(1, T, h, dtype=torch.float64), torch.randn(1, T, h, dtype=torch.float64)
+    with torch.no_grad():
+        preds = head.forward_steps(emb, feats, 4)
+        assert torch.allclose(preds[0], head(emb, feats), atol=1e-12)
+        for s in range(2, 5):
+            for i in range(s - 1, T):
+                t = i - s + 1
+                chain = feats[:, :t + 1]
+                pred = head(emb[:, :t + 1], chain)[:, t]
+                for p in range(t + 1, i + 1):
+                    chain = torch.cat([chain, pred[:, None]], dim=1)
+                    pred = head(emb[:, :p + 1], chain)[:, p]
+                assert torch.allclose(preds[s - 1][:, i], pred, atol=1e-10), (s, i)
+
+
+def test_ttt_training_and_init_warm_start(tiny_llama, tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", 30, seed=3)
+    first = str(tmp_path / "first")
+    common = dict(model=tiny_llama[0], data=data, max_len=128, lr=3e-3, batch_tokens=512, warmup_steps=2,
+                  dtype="float64", progress=False, heldout_fraction=0.1, snapshots=0, draft_vocab=40)
+    card = train_draft(TrainConfig(out=first, epochs=2, ttt_steps=3, **common), log=lambda m: None)
+    hist = card["history"]
+    for s in (1, 2, 3):
+        assert f"heldout_top1_step{s}" in hist[-1]
+    assert hist[-1]["heldout_loss"] < hist[0]["heldout_loss"]
+    # a run started from that head begins where it ended (same held-out loss before any step)
+    logs = []
+    again = train_draft(TrainConfig(out=str(tmp_path / "second"), epochs=1, init=first, **{**common, "draft_vocab": None}),
+                        log=logs.append)
+    assert abs(again["history"][0]["heldout_loss"] - hist[-1]["heldout_loss"]) < 1e-3
+    assert any("draft vocabulary from" in m for m in logs)
+    with pytest.raises(DataError, match="no model.safetensors"):
+        train_draft(TrainConfig(out=str(tmp_path / "third"), epochs=1, init=str(tmp_path), **common), log=lambda m: None)

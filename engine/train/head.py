@@ -41,6 +41,50 @@ class TrainHead(nn.Module):
 
     def forward(self, embeds: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
         """embeds, feats: [B, T, h] -> predicted next features [B, T, h]."""
+        B, T, _ = embeds.shape
+        x, q, k, v = self._qkv(embeds, feats)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self._out(x, a)
+
+    def forward_steps(self, embeds: torch.Tensor, feats: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """Training-time test (EAGLE-3's idea, on EAGLE-1/2 features): step 1 is `forward`; at
+        step s >= 2 position i takes the head's own step s-1 prediction of f_i (made at i - 1)
+        instead of the true feature, and attends to what it would see while drafting depth s:
+        the true pairs up to i - s + 1, then the depth 2..s-1 pairs of the same draft path (step r's
+        pair at position i - (s - r)), then itself. Returns each step's predictions [B, T, h];
+        rows i < s - 1 have no such path (the caller drops them from the loss)."""
+        B, T, _ = embeds.shape
+        cfg = self.cfg
+        x1, q1, k1, v1 = self._qkv(embeds, feats)
+        preds = [self._out(x1, F.scaled_dot_product_attention(q1, k1, v1, is_causal=True))]
+        diag_k, diag_v = [], []  # steps 2..s-1: keys/values at their own positions
+        scale = cfg.head_dim ** -0.5
+        for s in range(2, steps + 1):
+            prev = preds[-1].detach()
+            f_in = torch.cat([feats[:, :1], prev[:, :-1]], dim=1)  # position i takes pred of f_i (made at i-1)
+            x, q, k, v = self._qkv(embeds, f_in)
+            diag_k.append(k)
+            diag_v.append(v)
+            # true keys j <= i - s + 1
+            scores = (q @ k1.transpose(-1, -2)) * scale  # [B, H, T, T]
+            allowed = torch.ones(T, T, dtype=torch.bool, device=q.device).tril(-(s - 1))
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            extra, extra_v = [], []
+            for r, (kr, vr) in enumerate(zip(diag_k, diag_v), start=2):  # the path's pairs, r = s is itself
+                shift = s - r
+                ks, vs = _shift(kr, shift), _shift(vr, shift)
+                sc = (q * ks).sum(-1) * scale  # [B, H, T]
+                if shift:
+                    sc[:, :, :shift] = float("-inf")
+                extra.append(sc)
+                extra_v.append(vs)
+            allsc = torch.cat([scores, torch.stack(extra, dim=-1)], dim=-1).float().softmax(-1).to(q.dtype)
+            a = allsc[..., :T] @ v1 + (allsc[..., T:, None] * torch.stack(extra_v, dim=-2)).sum(-2)
+            preds.append(self._out(x, a))
+        return preds
+
+    def _qkv(self, embeds: torch.Tensor, feats: torch.Tensor):
+        """fc input, then rotated q and k and v as [B, H, T, D] (kv heads repeated for GQA)."""
         cfg = self.cfg
         B, T, _ = embeds.shape
         x = self.fc(torch.cat([embeds, feats], dim=-1))
@@ -50,7 +94,12 @@ class TrainHead(nn.Module):
         v = self.v_proj(x).view(B, T, cfg.num_kv_heads, cfg.head_dim)
         rep = cfg.num_heads // cfg.num_kv_heads
         k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return x, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def _out(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """a: attention output [B, H, T, D] -> the layer's output."""
+        cfg = self.cfg
+        B, T = x.shape[:2]
         h = x + self.o_proj(a.transpose(1, 2).reshape(B, T, cfg.q_size))
         n = h * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps).to(h.dtype) * self.norm_weight
         return h + self.down_proj(F.silu(self.gate_proj(n)) * self.up_proj(n))
@@ -76,6 +125,13 @@ class TrainHead(nn.Module):
         with torch.no_grad():
             for k, p in mine.items():
                 p.copy_(weights[k])
+
+
+def _shift(t: torch.Tensor, n: int) -> torch.Tensor:
+    """t [B, H, T, D] moved n positions later along T (zeros in front)."""
+    if n == 0:
+        return t
+    return torch.cat([torch.zeros_like(t[:, :, :n]), t[:, :, :-n]], dim=2)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

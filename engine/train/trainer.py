@@ -44,6 +44,9 @@ class TrainConfig:
     p_weight: float = 0.1
     draft_vocab: int | None = None
     regenerate: bool = False
+    init: str | None = None  # a head directory to start from (its weights and draft vocabulary)
+    ttt_steps: int = 1  # training-time test: steps of the head fed its own predictions (1 = off)
+    ttt_decay: float = 0.8  # loss weight of step s is ttt_decay ** (s - 1)
     regen_max_tokens: int = 384
     regen_max_prompt: int = 512
     regen_max_turns: int = 2  # user turns answered per conversation (later ones are dropped)
@@ -62,7 +65,10 @@ class TrainConfig:
                   (self.lr > 0, "lr must be > 0"), (self.batch_tokens >= self.max_len, "batch_tokens must be >= max_len"),
                   (0 <= self.heldout_fraction < 0.5, "heldout_fraction must be in [0, 0.5)"),
                   (self.max_conversations is None or self.max_conversations >= 2, "max_conversations must be >= 2"),
-                  (self.draft_vocab is None or self.draft_vocab >= 2, "draft_vocab must be >= 2")]
+                  (self.draft_vocab is None or self.draft_vocab >= 2, "draft_vocab must be >= 2"),
+                  (1 <= self.ttt_steps <= 8, "ttt_steps must be in [1, 8]"),
+                  (0 < self.ttt_decay <= 1, "ttt_decay must be in (0, 1]"),
+                  (self.p_weight >= 0, "p_weight must be >= 0")]
         for ok, msg in checks:
             if not ok:
                 raise ValueError(msg)
@@ -71,6 +77,12 @@ class TrainConfig:
         """What the cached features depend on: resuming with other data settings starts over."""
         keys = (self.model or "default", self.data, self.max_conversations, self.max_len, self.regenerate,
                 self.regen_max_tokens, self.regen_max_prompt, self.regen_max_turns, self.dtype)
+        return hashlib.sha256(repr(keys).encode()).hexdigest()[:16]
+
+    def train_key(self) -> str:
+        """What a resumable training state depends on beyond the data."""
+        keys = (self.data_key(), self.init, self.ttt_steps, self.ttt_decay, self.p_weight, self.lr,
+                self.batch_tokens, self.draft_vocab, self.epochs)
         return hashlib.sha256(repr(keys).encode()).hexdigest()[:16]
 
 
@@ -301,40 +313,56 @@ class Losses:
         self.d2t = d2t if d2t is not None else torch.arange(lm.shape[0])
         self.lm_rows = lm[d2t] if d2t is not None else lm
 
-    def __call__(self, head, bid, bmask, bfeat, noise_amp: float, generator=None):
-        """Returns loss, and (vloss, ploss, agree, n, agree_full) as floats for logging."""
+    def __call__(self, head, bid, bmask, bfeat, noise_amp: float, generator=None, steps: int = 1,
+                 decay: float = 0.8):
+        """Returns loss, and (vloss, ploss, agree, n, agree_full, step_agree) for logging:
+        step 1's figures, and with training-time test (steps > 1) each step's (agree, n); step s
+        weighs decay**(s-1) in the loss."""
         emb = self.embed[bid[:, 1:]]
         f_in = bfeat[:, :-1]
         if noise_amp > 0:
             f_in = f_in + (torch.rand(f_in.shape, generator=generator) * 2 - 1) * noise_amp
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bfeat.device.type == "cpu"):
-            pred = head(emb, f_in)
-        pred = pred.float()
+            preds = head.forward_steps(emb, f_in, steps) if steps > 1 else [head(emb, f_in)]
         tgt = bfeat[:, 1:]
         w = torch.zeros_like(bmask[:, 1:])
         w[:, :-1] = bmask[:, 2:]
         n = int(w.sum())
         if n == 0:
             return None
-        p_sel, t_sel = pred[w], tgt[w]
-        vloss = F.smooth_l1_loss(p_sel, t_sel, reduction="none").mean(-1).mean()
+        t_sel = tgt[w]
         with torch.no_grad():
             t_logits = t_sel @ self.lm_rows.T
             t_logp = t_logits.log_softmax(-1)
             t_prob = t_logp.exp()
             t_entropy = -(t_prob * t_logp).sum(-1)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bfeat.device.type == "cpu"):
-            p_logits = p_sel @ self.lm_rows.T
-        p_logp = p_logits.float().log_softmax(-1)
-        # soft cross-entropy minus the target's entropy (a constant): KL(target || draft), so
-        # the reported loss reaches 0 for a perfect draft; the gradient is the cross-entropy's
-        ploss = (-(t_prob * p_logp).sum(-1) - t_entropy).mean()
-        loss = vloss + self.p_weight * ploss
-        with torch.no_grad():
-            agree = (p_logits.argmax(-1) == t_logits.argmax(-1)).float().sum().item()
-            full_top = (t_sel @ self.full_lm.T).argmax(-1)
-            agree_full = (self.d2t[p_logits.argmax(-1)] == full_top).float().sum().item()
-        return loss, (vloss.item(), ploss.item(), agree, n, agree_full)
+            t_top = t_logits.argmax(-1)
+        total, step_agree, first = 0.0, [], None
+        for s, pred in enumerate(preds, start=1):
+            valid = torch.ones_like(w)
+            valid[:, :s - 1] = False  # no draft path of s steps ends there
+            keep = valid[w]  # rows of t_sel this step counts
+            if not bool(keep.any()):
+                step_agree.append((0.0, 0))
+                continue
+            p_sel = pred.float()[w][keep]
+            vloss = F.smooth_l1_loss(p_sel, t_sel[keep], reduction="none").mean(-1).mean()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bfeat.device.type == "cpu"):
+                p_logits = p_sel @ self.lm_rows.T
+            p_logp = p_logits.float().log_softmax(-1)
+            # soft cross-entropy minus the target's entropy (a constant): KL(target || draft), so
+            # the reported loss reaches 0 for a perfect draft; the gradient is the cross-entropy's
+            ploss = (-(t_prob[keep] * p_logp).sum(-1) - t_entropy[keep]).mean()
+            total = total + decay ** (s - 1) * (vloss + self.p_weight * ploss)
+            with torch.no_grad():
+                p_top = p_logits.argmax(-1)
+                agree = (p_top == t_top[keep]).float().sum().item()
+                step_agree.append((agree, int(keep.sum())))
+                if s == 1:
+                    full_top = (t_sel @ self.full_lm.T).argmax(-1)
+                    agree_full = (self.d2t[p_top] == full_top).float().sum().item()
+                    first = (vloss.item(), ploss.item(), agree, n, agree_full)
+        return total, first + (step_agree,)
 
 
 def fit(cfg: TrainConfig, loaded, ids, masks, feats, offsets, train_idx, held_idx, log) -> dict:
@@ -346,7 +374,12 @@ def fit(cfg: TrainConfig, loaded, ids, masks, feats, offsets, train_idx, held_id
     vocab = lm.shape[0]
     train_tok = torch.cat([torch.arange(int(offsets[i]), int(offsets[i + 1])) for i in train_idx])
     d2t = None
-    if cfg.draft_vocab and cfg.draft_vocab < vocab:
+    init = _read_init(cfg.init, mcfg) if cfg.init else None
+    if init is not None and "d2t" in init:
+        d2t = init.pop("d2t").long()
+        coverage = float(torch.isin(ids[train_tok][masks[train_tok]], d2t).float().mean())
+        log(f"draft vocabulary from {cfg.init}: {len(d2t)} tokens, covering {coverage:.4f} of assistant tokens")
+    elif cfg.draft_vocab and cfg.draft_vocab < vocab:
         d2t = build_draft_vocab(ids[train_tok], masks[train_tok], cfg.draft_vocab, vocab, sorted(loaded.eos_token_ids))
         coverage = float(torch.isin(ids[train_tok][masks[train_tok]], d2t).float().mean())
         log(f"draft vocabulary: {cfg.draft_vocab} of {vocab} tokens, covering {coverage:.4f} of assistant tokens")
@@ -356,6 +389,9 @@ def fit(cfg: TrainConfig, loaded, ids, masks, feats, offsets, train_idx, held_id
     rms = float(feats[train_tok[:200000]].float().pow(2).mean().sqrt())
     noise_amp = cfg.noise * rms
     head = TrainHead(mcfg, bias=cfg.bias)
+    if init is not None:
+        head.load_eagle_state_dict(init)
+        log(f"starting from the head in {cfg.init}")
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     steps_per_epoch = len(_batches(train_idx, offsets, cfg.batch_tokens, random.Random(0)))
     total_steps = steps_per_epoch * cfg.epochs
@@ -373,7 +409,7 @@ def fit(cfg: TrainConfig, loaded, ids, masks, feats, offsets, train_idx, held_id
     state = {"epoch": 0, "batch": 0, "step": 0, "tokens": 0, "elapsed": 0.0, "history": []}
     if os.path.exists(ckpt):
         saved = torch.load(ckpt, map_location="cpu", weights_only=False)
-        if saved.get("data_key") == cfg.data_key() and saved.get("total_steps") == total_steps:
+        if saved.get("train_key") == cfg.train_key() and saved.get("total_steps") == total_steps:
             head.load_state_dict(saved["head"])
             opt.load_state_dict(saved["opt"])
             state = saved["state"]
@@ -385,19 +421,23 @@ def fit(cfg: TrainConfig, loaded, ids, masks, feats, offsets, train_idx, held_id
     def save_state():
         tmp = ckpt + ".part"
         torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "state": state,
-                    "data_key": cfg.data_key(), "total_steps": total_steps}, tmp)
+                    "train_key": cfg.train_key(), "total_steps": total_steps}, tmp)
         os.replace(tmp, ckpt)
 
     def evaluate():
         head.eval()
         tot = {"v": 0.0, "p": 0.0, "agree": 0.0, "agree_full": 0.0, "n": 0}
+        steps_tot = [[0.0, 0] for _ in range(cfg.ttt_steps)]
         g = torch.Generator().manual_seed(1)
         with torch.no_grad():
             for b in _batches(held_idx, offsets, cfg.batch_tokens, random.Random(0)):
-                r = losses(head, *_pad(b, ids, masks, feats, offsets), 0.0, g)
+                r = losses(head, *_pad(b, ids, masks, feats, offsets), 0.0, g, cfg.ttt_steps, cfg.ttt_decay)
                 if r is None:
                     continue
-                _, (v, p, a, n, af) = r
+                _, (v, p, a, n, af, per_step) = r
+                for acc, (sa, sn) in zip(steps_tot, per_step):
+                    acc[0] += sa
+                    acc[1] += sn
                 tot["v"] += v * n
                 tot["p"] += p * n
                 tot["agree"] += a
@@ -408,7 +448,9 @@ def fit(cfg: TrainConfig, loaded, ids, masks, feats, offsets, train_idx, held_id
         return {"heldout_vloss": tot["v"] / n, "heldout_ploss": tot["p"] / n,
                 "heldout_loss": (tot["v"] + cfg.p_weight * tot["p"]) / n,
                 "heldout_top1": tot["agree"] / n, "heldout_top1_full_vocab": tot["agree_full"] / n,
-                "heldout_tokens": tot["n"]}
+                "heldout_tokens": tot["n"],
+                **({f"heldout_top1_step{i + 1}": a / max(n, 1) for i, (a, n) in enumerate(steps_tot)}
+                   if cfg.ttt_steps > 1 else {})}
 
     if state["step"] == 0 and not state["history"]:
         ev = evaluate()
@@ -424,12 +466,12 @@ def fit(cfg: TrainConfig, loaded, ids, masks, feats, offsets, train_idx, held_id
             for group in opt.param_groups:
                 group["lr"] = lr_at(state["step"])
             padded = _pad(batches[bi], ids, masks, feats, offsets)
-            r = losses(head, *padded, noise_amp, g)
+            r = losses(head, *padded, noise_amp, g, cfg.ttt_steps, cfg.ttt_decay)
             state["batch"] = bi + 1
             state["tokens"] += int(sum(int(offsets[i + 1] - offsets[i]) for i in batches[bi]))
             if r is None:
                 continue
-            loss, (v, p, a, n, _) = r
+            loss, (v, p, a, n, _, _) = r
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
@@ -460,13 +502,28 @@ def fit(cfg: TrainConfig, loaded, ids, masks, feats, offsets, train_idx, held_id
     card = {"target": loaded.name, "data": cfg.data, "regenerated": cfg.regenerate,
             "epochs": cfg.epochs, "train_tokens_seen": state["tokens"], "tokens_per_epoch": tokens_per_epoch,
             "draft_vocab": len(d2t) if d2t is not None else vocab, "draft_vocab_coverage": round(coverage, 4),
-            "noise": cfg.noise, "train_seconds": round(state["elapsed"], 1),
+            "noise": cfg.noise, "init": cfg.init, "ttt_steps": cfg.ttt_steps, "p_weight": cfg.p_weight,
+            "train_seconds": round(state["elapsed"], 1),
             "history": state["history"], "config": {k: v for k, v in asdict(cfg).items() if k != "extra"},
             **final, **cfg.extra}
     save_head(head, cfg.out, hcfg, d2t, extra={"eagle_serve_card": "card.json"})
     with open(os.path.join(cfg.out, "card.json"), "w") as f:
         json.dump(card, f, indent=2)
     return card
+
+
+def _read_init(path: str, mcfg) -> dict[str, torch.Tensor]:
+    """The weights (float32) and `d2t` of a head directory, checked against the target."""
+    from safetensors.torch import load_file
+    f = os.path.join(path, "model.safetensors")
+    if not os.path.isfile(f):
+        raise DataError(f"--init {path}: no model.safetensors there")
+    w = load_file(f)
+    fc = w.get("fc.weight")
+    if fc is None or tuple(fc.shape) != (mcfg.hidden_size, 2 * mcfg.hidden_size):
+        raise DataError(f"--init {path}: not an EAGLE head for this target (fc.weight "
+                        f"{None if fc is None else tuple(fc.shape)}, expected {(mcfg.hidden_size, 2 * mcfg.hidden_size)})")
+    return {k: (v if k == "d2t" else v.float()) for k, v in w.items()}
 
 
 def _bar(total: int, desc: str, enabled: bool, initial: int = 0):
