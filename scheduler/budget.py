@@ -35,14 +35,24 @@ class CostModel:
             raise ValueError("the cost model needs at least one verify point")
         self.verify_points = _dedupe(self.verify_points)
         self.draft_points = _dedupe(self.draft_points)
+        # memo by count: `TreeBudget.choose` asks for every count along its additions, each
+        # round (a few thousand lookups at 32 sequences)
+        self._verify: dict[int, float] = {}
+        self._draft: dict[int, float] = {}
 
     def verify(self, tokens: int) -> float:
-        return _interp(self.verify_points, tokens)
+        t = self._verify.get(tokens)
+        if t is None:
+            t = self._verify[tokens] = _interp(self.verify_points, tokens)
+        return t
 
     def draft(self, seqs: int) -> float:
         if seqs <= 0 or not self.draft_points:
             return 0.0
-        return _interp(self.draft_points, seqs)
+        t = self._draft.get(seqs)
+        if t is None:
+            t = self._draft[seqs] = _interp(self.draft_points, seqs)
+        return t
 
     def to_json(self) -> dict:
         return {"verify": self.verify_points, "draft": self.draft_points}

@@ -239,3 +239,25 @@ def test_ttt_training_and_init_warm_start(tiny_llama, tmp_path):
     assert any("draft vocabulary from" in m for m in logs)
     with pytest.raises(DataError, match="no model.safetensors"):
         train_draft(TrainConfig(out=str(tmp_path / "third"), epochs=1, init=str(tmp_path), **common), log=lambda m: None)
+
+
+def test_feature_shards_are_reused_when_the_data_grows(tiny_llm, tmp_path):
+    from engine.train.trainer import extract_features, load_shards
+    convs = load_conversations(write_jsonl(tmp_path / "d.jsonl", 10, seed=4))
+    examples = [render(tiny_llm.tokenizer, c, 128) for c in convs]
+    logs = []
+    first = extract_features(tiny_llm.runner.loaded, examples[:6], str(tmp_path / "cache"), "k", logs.append, False,
+                             shard_size=4)
+    assert len(first) == 2 and "0 of 2 shards cached" in logs[-1]
+    both = extract_features(tiny_llm.runner.loaded, examples, str(tmp_path / "cache"), "k", logs.append, False,
+                            shard_size=4)
+    assert both[0] == first[0] and both[1] != first[1]  # the full first shard is reused as it is
+    assert "1 of 3 shards cached" in logs[-1]
+    ids, masks, feats, offsets = load_shards(both)
+    assert len(offsets) == 11 and feats.shape[0] == ids.shape[0] == int(offsets[-1])
+    n = len(logs)
+    assert extract_features(tiny_llm.runner.loaded, examples, str(tmp_path / "cache"), "k", logs.append, False,
+                            shard_size=4) == both and len(logs) == n  # all cached: nothing computed
+    other = extract_features(tiny_llm.runner.loaded, examples[:4], str(tmp_path / "cache"), "other-dtype", logs.append,
+                             False, shard_size=4)
+    assert other[0] != both[0]  # another target/dtype never reuses these features

@@ -79,6 +79,10 @@ class TrainConfig:
                 self.regen_max_tokens, self.regen_max_prompt, self.regen_max_turns, self.dtype)
         return hashlib.sha256(repr(keys).encode()).hexdigest()[:16]
 
+    def feature_key(self) -> str:
+        """What a token's cached target features depend on besides its conversation."""
+        return repr((self.model or "default", self.dtype))
+
     def train_key(self) -> str:
         """What a resumable training state depends on beyond the data."""
         keys = (self.data_key(), self.init, self.ttt_steps, self.ttt_decay, self.p_weight, self.lr,
@@ -112,7 +116,7 @@ def train_draft(cfg: TrainConfig, log=print) -> dict:
     random.Random(cfg.seed).shuffle(order)
     held_idx, train_idx = sorted(order[:n_held]), sorted(order[n_held:])
     cache = os.path.join(cfg.out, "cache")
-    shards = extract_features(loaded, examples, cache, cfg.data_key(), log, cfg.progress)
+    shards = extract_features(loaded, examples, cache, cfg.feature_key(), log, cfg.progress)
     ids, masks, feats, offsets = load_shards(shards)
     stats = {"conversations": len(examples), "tokens": int(offsets[-1]), "loss_tokens": int(masks.sum()),
              "train_conversations": len(train_idx), "heldout_conversations": len(held_idx)}
@@ -190,32 +194,37 @@ def _drop_unanswered(conv: list[dict]) -> list[dict]:
 def extract_features(loaded, examples: list[Example], cache: str, key: str, log, progress: bool,
                      shard_size: int = 64, pack_tokens: int = 2048) -> list[str]:
     """Target final-norm features of every token, packed forwards of up to pack_tokens tokens,
-    saved per shard of shard_size conversations. Existing shards with the same key are reused."""
+    saved per shard of shard_size conversations. A shard's file is named by a hash of `key` (the
+    target and its dtype) and its conversations' ids and masks, so a shard already computed -
+    by an interrupted run, or by a run over fewer conversations - is reused as it is."""
     from safetensors.torch import save_file
     from engine.attention import make_backend
     from engine.forward_batch import SeqSpan, build_forward_batch
     from engine.kv_cache import KVCache
     os.makedirs(cache, exist_ok=True)
-    manifest_path = os.path.join(cache, "manifest.json")
-    manifest = {"key": key, "shards": []}
-    if os.path.exists(manifest_path):
-        with open(manifest_path) as f:
-            old = json.load(f)
-        if old.get("key") == key:
-            manifest = old
     model, mcfg = loaded.model, loaded.config
     device = next(model.parameters()).device
     dtype = model.lm_head.weight.dtype
     block = 16
-    max_len = max(len(e.ids) for e in examples)
-    n_blocks = (max(pack_tokens, max_len) + block - 1) // block + len(examples[:shard_size]) + 1
-    kv = KVCache(mcfg.num_layers, n_blocks, block, mcfg.num_kv_heads, mcfg.head_dim, dtype, device)
-    backend = make_backend(mcfg.head_dim ** -0.5, device, dtype)
     shard_ranges = [(s, min(s + shard_size, len(examples))) for s in range(0, len(examples), shard_size)]
-    total = sum(len(e.ids) for e in examples)
-    done_tokens = sum(len(e.ids) for s, t in shard_ranges[:len(manifest["shards"])] for e in examples[s:t])
-    bar = _bar(total, "features", progress, done_tokens)
-    for si in range(len(manifest["shards"]), len(shard_ranges)):
+    shard_data, names = [], []
+    for s, t in shard_ranges:
+        ex = examples[s:t]
+        data = {"ids": torch.tensor([i for e in ex for i in e.ids], dtype=torch.int32),
+                "mask": torch.tensor([m for e in ex for m in e.mask], dtype=torch.uint8),
+                "offsets": torch.tensor([0] + [len(e.ids) for e in ex]).cumsum(0)}
+        shard_data.append(data)
+        names.append(f"shard_{shard_hash(key, data['ids'], data['mask'], data['offsets'])}.safetensors")
+    todo = [i for i, n in enumerate(names) if not os.path.exists(os.path.join(cache, n))]
+    if todo:
+        max_len = max(len(e.ids) for e in examples)
+        n_blocks = (max(pack_tokens, max_len) + block - 1) // block + shard_size + 1
+        kv = KVCache(mcfg.num_layers, n_blocks, block, mcfg.num_kv_heads, mcfg.head_dim, dtype, device)
+        backend = make_backend(mcfg.head_dim ** -0.5, device, dtype)
+        total = sum(len(e.ids) for i in todo for e in examples[slice(*shard_ranges[i])])
+        log(f"features: {len(names) - len(todo)} of {len(names)} shards cached, computing {total} tokens")
+        bar = _bar(total, "features", progress)
+    for si in todo:
         s, t = shard_ranges[si]
         feats = []
         group: list[Example] = []
@@ -239,20 +248,20 @@ def extract_features(loaded, examples: list[Example], cache: str, key: str, log,
             group.append(e)
         if group:
             flush()
-        ex = examples[s:t]
-        offsets = torch.tensor([0] + [len(e.ids) for e in ex]).cumsum(0)
-        name = f"shard_{si:05d}.safetensors"
-        tmp = os.path.join(cache, name + ".part")
-        save_file({"ids": torch.tensor([i for e in ex for i in e.ids], dtype=torch.int32),
-                   "mask": torch.tensor([m for e in ex for m in e.mask], dtype=torch.uint8),
-                   "feats": torch.cat(feats), "offsets": offsets}, tmp)
-        os.replace(tmp, os.path.join(cache, name))
-        manifest["shards"].append(name)
-        with open(manifest_path + ".part", "w") as f:
-            json.dump(manifest, f)
-        os.replace(manifest_path + ".part", manifest_path)
-    bar.close()
-    return [os.path.join(cache, n) for n in manifest["shards"]]
+        tmp = os.path.join(cache, names[si] + ".part")
+        save_file({**shard_data[si], "feats": torch.cat(feats)}, tmp)
+        os.replace(tmp, os.path.join(cache, names[si]))
+    if todo:
+        bar.close()
+    return [os.path.join(cache, n) for n in names]
+
+
+def shard_hash(key: str, ids: torch.Tensor, mask: torch.Tensor, offsets: torch.Tensor) -> str:
+    """What a feature shard depends on: the target (key) and its conversations' ids and masks."""
+    h = hashlib.sha256(key.encode())
+    for t in (ids.to(torch.int32), mask.to(torch.uint8), offsets.to(torch.int64)):
+        h.update(t.contiguous().numpy().tobytes())
+    return h.hexdigest()[:20]
 
 
 def load_shards(paths: list[str]):
@@ -314,10 +323,12 @@ class Losses:
         self.lm_rows = lm[d2t] if d2t is not None else lm
 
     def __call__(self, head, bid, bmask, bfeat, noise_amp: float, generator=None, steps: int = 1,
-                 decay: float = 0.8):
+                 decay: float = 0.8, full_vocab: bool = False):
         """Returns loss, and (vloss, ploss, agree, n, agree_full, step_agree) for logging:
         step 1's figures, and with training-time test (steps > 1) each step's (agree, n); step s
-        weighs decay**(s-1) in the loss."""
+        weighs decay**(s-1) in the loss. agree_full (agreement with the target's argmax over its
+        whole vocabulary) only with full_vocab: the full LM head over every row costs more than
+        the rest of a training step, so only evaluation asks for it."""
         emb = self.embed[bid[:, 1:]]
         f_in = bfeat[:, :-1]
         if noise_amp > 0:
@@ -359,8 +370,10 @@ class Losses:
                 agree = (p_top == t_top[keep]).float().sum().item()
                 step_agree.append((agree, int(keep.sum())))
                 if s == 1:
-                    full_top = (t_sel @ self.full_lm.T).argmax(-1)
-                    agree_full = (self.d2t[p_top] == full_top).float().sum().item()
+                    agree_full = float("nan")
+                    if full_vocab:
+                        full_top = (t_sel @ self.full_lm.T).argmax(-1)
+                        agree_full = (self.d2t[p_top] == full_top).float().sum().item()
                     first = (vloss.item(), ploss.item(), agree, n, agree_full)
         return total, first + (step_agree,)
 
@@ -431,7 +444,8 @@ def fit(cfg: TrainConfig, loaded, ids, masks, feats, offsets, train_idx, held_id
         g = torch.Generator().manual_seed(1)
         with torch.no_grad():
             for b in _batches(held_idx, offsets, cfg.batch_tokens, random.Random(0)):
-                r = losses(head, *_pad(b, ids, masks, feats, offsets), 0.0, g, cfg.ttt_steps, cfg.ttt_decay)
+                r = losses(head, *_pad(b, ids, masks, feats, offsets), 0.0, g, cfg.ttt_steps, cfg.ttt_decay,
+                           full_vocab=True)
                 if r is None:
                     continue
                 _, (v, p, a, n, af, per_step) = r
