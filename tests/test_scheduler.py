@@ -305,3 +305,35 @@ def test_heap_trimmer_runs_on_its_interval_and_when_idle(monkeypatch):
     trim.maybe()
     assert calls == [0, 0]
     assert async_engine._HeapTrimmer(interval=None)._fn is None
+
+
+def test_model_is_built_and_stepped_on_one_engine_thread(tiny_llama, monkeypatch):
+    """Every torch computation runs on the process's engine thread (scheduler/worker.py): the
+    load and start-up profile, LLM.generate, and the async engine's steps; a model built on one
+    thread and stepped on another decodes at ~0.6x on the 2-core CPU (bench/bench_threads.py)."""
+    import threading
+    from engine.model_runner import ModelRunner
+    seen = {"init": set(), "execute": set()}
+    real_init, real_execute = ModelRunner.__init__, ModelRunner.execute
+
+    def init(self, *a, **k):
+        seen["init"].add(threading.get_ident())
+        real_init(self, *a, **k)
+
+    def execute(self, steps):
+        seen["execute"].add(threading.get_ident())
+        return real_execute(self, steps)
+    monkeypatch.setattr(ModelRunner, "__init__", init)
+    monkeypatch.setattr(ModelRunner, "execute", execute)
+    llm = LLM(tiny_llama[0], **KW, kv_cache_tokens=1024)
+    llm.generate([5, 6, 7], SamplingParams(max_tokens=4, temperature=0))
+
+    async def run():
+        engine = AsyncEngine(llm.loop)
+        await engine.start()
+        async for _ in engine.generate([5, 6, 7, 8], SamplingParams(max_tokens=4, temperature=0)):
+            pass
+        await engine.stop()
+    asyncio.run(run())
+    assert len(seen["init"]) == 1 and seen["execute"] == seen["init"]
+    assert threading.get_ident() not in seen["init"]
