@@ -72,7 +72,9 @@ class EagleDrafter(Drafter):
             # shared blocks, written by the sequence that computed them
             self.states[step.seq_id] = state = HeadState(draft_len=step.num_cached)
         state.tokens.extend(tokens)
-        state.features.append(features)
+        # a copy: a view would keep the step's whole hidden-state tensor (every sequence's rows,
+        # prefill chunks included) alive for as long as the pairs wait
+        state.features.append(features.clone())
 
     def release(self, seq_id):
         self.states.pop(seq_id, None)
@@ -104,9 +106,9 @@ class EagleDrafter(Drafter):
         pairs, and the round that drafts it again pays for the whole backlog at once (a
         prefill-sized head forward); syncing every round instead costs a head forward per token
         (~12% of a plain step at one sequence). The catch-up costs the same head FLOPs whenever it
-        happens, so it is put off as long as memory allows: under load the budget rarely drafts,
-        and a sequence that finishes before its backlog reaches SYNC_BACKLOG never pays it
-        (pending features are views of the step's hidden states, ~1 KB per pair)."""
+        happens, so it is put off: under load the budget rarely drafts, and a sequence that
+        finishes before its backlog reaches SYNC_BACKLOG never pays it. Pending pairs hold
+        copied feature rows (hidden size x dtype bytes each: 1.1 KB for the default model)."""
         todo = [s for s in steps if self.states.get(s.seq_id) is not None
                 and len(self.states[s.seq_id].tokens) >= SYNC_BACKLOG]
         if not todo:

@@ -65,22 +65,24 @@ class TrainHead(nn.Module):
             x, q, k, v = self._qkv(embeds, f_in)
             diag_k.append(k)
             diag_v.append(v)
-            # true keys j <= i - s + 1
-            scores = (q @ k1.transpose(-1, -2)) * scale  # [B, H, T, T]
+            # true keys j <= i - s + 1; scores and weights in float32, as SDPA keeps them for step 1
+            acc = torch.promote_types(q.dtype, torch.float32)
+            qf = q.to(acc)
+            scores = (qf @ k1.to(acc).transpose(-1, -2)) * scale  # [B, H, T, T]
             allowed = torch.ones(T, T, dtype=torch.bool, device=q.device).tril(-(s - 1))
             scores = scores.masked_fill(~allowed, float("-inf"))
             extra, extra_v = [], []
             for r, (kr, vr) in enumerate(zip(diag_k, diag_v), start=2):  # the path's pairs, r = s is itself
                 shift = s - r
-                ks, vs = _shift(kr, shift), _shift(vr, shift)
-                sc = (q * ks).sum(-1) * scale  # [B, H, T]
+                ks, vs = _shift(kr.to(acc), shift), _shift(vr.to(acc), shift)
+                sc = (qf * ks).sum(-1) * scale  # [B, H, T]
                 if shift:
                     sc[:, :, :shift] = float("-inf")
                 extra.append(sc)
                 extra_v.append(vs)
-            allsc = torch.cat([scores, torch.stack(extra, dim=-1)], dim=-1).float().softmax(-1).to(q.dtype)
-            a = allsc[..., :T] @ v1 + (allsc[..., T:, None] * torch.stack(extra_v, dim=-2)).sum(-2)
-            preds.append(self._out(x, a))
+            allsc = torch.cat([scores, torch.stack(extra, dim=-1)], dim=-1).softmax(-1)
+            a = allsc[..., :T] @ v1.to(acc) + (allsc[..., T:, None] * torch.stack(extra_v, dim=-2)).sum(-2)
+            preds.append(self._out(x, a.to(q.dtype)))
         return preds
 
     def _qkv(self, embeds: torch.Tensor, feats: torch.Tensor):

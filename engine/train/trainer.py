@@ -86,7 +86,8 @@ class TrainConfig:
     def train_key(self) -> str:
         """What a resumable training state depends on beyond the data."""
         keys = (self.data_key(), self.init, self.ttt_steps, self.ttt_decay, self.p_weight, self.lr,
-                self.batch_tokens, self.draft_vocab, self.epochs)
+                self.batch_tokens, self.draft_vocab, self.epochs, self.noise, self.weight_decay,
+                self.warmup_steps, self.seed, self.heldout_fraction, self.bias)
         return hashlib.sha256(repr(keys).encode()).hexdigest()[:16]
 
 
@@ -387,12 +388,14 @@ def fit(cfg: TrainConfig, loaded, ids, masks, feats, offsets, train_idx, held_id
     vocab = lm.shape[0]
     train_tok = torch.cat([torch.arange(int(offsets[i]), int(offsets[i + 1])) for i in train_idx])
     d2t = None
-    init = _read_init(cfg.init, mcfg) if cfg.init else None
+    init, bias = _read_init(cfg.init, loaded) if cfg.init else (None, cfg.bias)
     if init is not None and "d2t" in init:
         d2t = init.pop("d2t").long()
         coverage = float(torch.isin(ids[train_tok][masks[train_tok]], d2t).float().mean())
+        if cfg.draft_vocab and cfg.draft_vocab != len(d2t):
+            log(f"--draft-vocab {cfg.draft_vocab} ignored: the head from --init has its own vocabulary")
         log(f"draft vocabulary from {cfg.init}: {len(d2t)} tokens, covering {coverage:.4f} of assistant tokens")
-    elif cfg.draft_vocab and cfg.draft_vocab < vocab:
+    elif init is None and cfg.draft_vocab and cfg.draft_vocab < vocab:
         d2t = build_draft_vocab(ids[train_tok], masks[train_tok], cfg.draft_vocab, vocab, sorted(loaded.eos_token_ids))
         coverage = float(torch.isin(ids[train_tok][masks[train_tok]], d2t).float().mean())
         log(f"draft vocabulary: {cfg.draft_vocab} of {vocab} tokens, covering {coverage:.4f} of assistant tokens")
@@ -401,7 +404,7 @@ def fit(cfg: TrainConfig, loaded, ids, masks, feats, offsets, train_idx, held_id
     losses = Losses(embed, lm, d2t, cfg.p_weight)
     rms = float(feats[train_tok[:200000]].float().pow(2).mean().sqrt())
     noise_amp = cfg.noise * rms
-    head = TrainHead(mcfg, bias=cfg.bias)
+    head = TrainHead(mcfg, bias=bias)
     if init is not None:
         head.load_eagle_state_dict(init)
         log(f"starting from the head in {cfg.init}")
@@ -429,7 +432,7 @@ def fit(cfg: TrainConfig, loaded, ids, masks, feats, offsets, train_idx, held_id
             log(f"resuming at epoch {state['epoch']}, step {state['step']}")
         else:
             log("train_state.pt is from other settings: starting over")
-    hcfg = head_config(mcfg, cfg.bias, len(d2t) if d2t is not None else None)
+    hcfg = head_config(mcfg, bias, len(d2t) if d2t is not None else None)
 
     def save_state():
         tmp = ckpt + ".part"
@@ -526,18 +529,19 @@ def fit(cfg: TrainConfig, loaded, ids, masks, feats, offsets, train_idx, held_id
     return card
 
 
-def _read_init(path: str, mcfg) -> dict[str, torch.Tensor]:
-    """The weights (float32) and `d2t` of a head directory, checked against the target."""
-    from safetensors.torch import load_file
-    f = os.path.join(path, "model.safetensors")
-    if not os.path.isfile(f):
-        raise DataError(f"--init {path}: no model.safetensors there")
-    w = load_file(f)
-    fc = w.get("fc.weight")
-    if fc is None or tuple(fc.shape) != (mcfg.hidden_size, 2 * mcfg.hidden_size):
-        raise DataError(f"--init {path}: not an EAGLE head for this target (fc.weight "
-                        f"{None if fc is None else tuple(fc.shape)}, expected {(mcfg.hidden_size, 2 * mcfg.hidden_size)})")
-    return {k: (v if k == "d2t" else v.float()) for k, v in w.items()}
+def _read_init(path: str, loaded) -> tuple[dict[str, torch.Tensor], bool]:
+    """The weights (float32, published EAGLE names, `d2t` kept) of a head directory and whether
+    it has biases. The serving loader checks it first (config, shapes, d2t), so --init takes
+    exactly the heads --draft takes."""
+    from engine.loader import ModelLoadError
+    from engine.spec.eagle_head import _read_weights, load_eagle_head
+    try:
+        load_eagle_head(path, loaded.model, torch.float32)
+        raw = _read_weights(path)
+    except (ModelLoadError, OSError, ValueError) as e:
+        raise DataError(f"--init {path}: {e}") from e
+    w = {k.removeprefix("model."): v for k, v in raw.items() if not k.endswith("embed_tokens.weight")}
+    return {k: (v if k == "d2t" else v.float()) for k, v in w.items()}, "fc.bias" in w
 
 
 def _bar(total: int, desc: str, enabled: bool, initial: int = 0):
