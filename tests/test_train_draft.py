@@ -261,3 +261,14 @@ def test_feature_shards_are_reused_when_the_data_grows(tiny_llm, tmp_path):
     other = extract_features(tiny_llm.runner.loaded, examples[:4], str(tmp_path / "cache"), "other-dtype", logs.append,
                              False, shard_size=4)
     assert other[0] != both[0]  # another target/dtype never reuses these features
+
+
+def test_heldout_split_does_not_depend_on_the_rest_of_the_data(tiny_llm, tmp_path):
+    from engine.train.trainer import split_heldout
+    convs = load_conversations(write_jsonl(tmp_path / "d.jsonl", 60, seed=5))
+    examples = [render(tiny_llm.tokenizer, c, 128) for c in convs]
+    held_all, train_all = split_heldout(examples, 0.2, seed=0)
+    held_part, train_part = split_heldout(examples[:30], 0.2, seed=0)
+    assert held_all and sorted(held_all + train_all) == list(range(60))
+    assert held_part == [i for i in held_all if i < 30]  # growing the data never moves a conversation
+    assert split_heldout(examples, 0.2, seed=1)[0] != held_all  # the seed picks another split

@@ -112,10 +112,7 @@ def train_draft(cfg: TrainConfig, log=print) -> dict:
     if len(examples) < 2:
         raise DataError(f"only {len(examples)} conversation(s) keep an assistant token within max_len "
                         f"{cfg.max_len}; need >= 2 (one for the held-out split)")
-    n_held = max(1, round(len(examples) * cfg.heldout_fraction))
-    order = list(range(len(examples)))
-    random.Random(cfg.seed).shuffle(order)
-    held_idx, train_idx = sorted(order[:n_held]), sorted(order[n_held:])
+    held_idx, train_idx = split_heldout(examples, cfg.heldout_fraction, cfg.seed)
     cache = os.path.join(cfg.out, "cache")
     shards = extract_features(loaded, examples, cache, cfg.feature_key(), log, cfg.progress)
     ids, masks, feats, offsets = load_shards(shards)
@@ -125,6 +122,24 @@ def train_draft(cfg: TrainConfig, log=print) -> dict:
     result = fit(cfg, loaded, ids, masks, feats, offsets, train_idx, held_idx, log)
     result.update(stats, wall_s=round(time.time() - t_start, 1))
     return result
+
+
+def split_heldout(examples: list[Example], fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(held-out, train) indices. A conversation is held out when a seeded hash of its ids falls
+    below `fraction`, so membership does not depend on what else is in the data: a run over more
+    conversations (or one started with --init from a head trained on fewer) never trains on a
+    conversation an earlier run held out. At least one is held out."""
+    scores = []
+    for e in examples:
+        h = hashlib.sha256(f"{seed}:".encode() + torch.tensor(e.ids, dtype=torch.int32).numpy().tobytes())
+        scores.append(int.from_bytes(h.digest()[:8], "big") / 2 ** 64)
+    held = [i for i, x in enumerate(scores) if x < fraction]
+    if not held:
+        held = [min(range(len(examples)), key=scores.__getitem__)]
+    if len(held) == len(examples):
+        held = held[:-1]
+    held_set = set(held)
+    return held, [i for i in range(len(examples)) if i not in held_set]
 
 
 # ---------------------------------------------------------------------------- regeneration
@@ -388,7 +403,7 @@ def fit(cfg: TrainConfig, loaded, ids, masks, feats, offsets, train_idx, held_id
     vocab = lm.shape[0]
     train_tok = torch.cat([torch.arange(int(offsets[i]), int(offsets[i + 1])) for i in train_idx])
     d2t = None
-    init, bias = _read_init(cfg.init, loaded) if cfg.init else (None, cfg.bias)
+    init, bias = read_head(cfg.init, loaded) if cfg.init else (None, cfg.bias)
     if init is not None and "d2t" in init:
         d2t = init.pop("d2t").long()
         coverage = float(torch.isin(ids[train_tok][masks[train_tok]], d2t).float().mean())
@@ -441,33 +456,8 @@ def fit(cfg: TrainConfig, loaded, ids, masks, feats, offsets, train_idx, held_id
         os.replace(tmp, ckpt)
 
     def evaluate():
-        head.eval()
-        tot = {"v": 0.0, "p": 0.0, "agree": 0.0, "agree_full": 0.0, "n": 0}
-        steps_tot = [[0.0, 0] for _ in range(cfg.ttt_steps)]
-        g = torch.Generator().manual_seed(1)
-        with torch.no_grad():
-            for b in _batches(held_idx, offsets, cfg.batch_tokens, random.Random(0)):
-                r = losses(head, *_pad(b, ids, masks, feats, offsets), 0.0, g, cfg.ttt_steps, cfg.ttt_decay,
-                           full_vocab=True)
-                if r is None:
-                    continue
-                _, (v, p, a, n, af, per_step) = r
-                for acc, (sa, sn) in zip(steps_tot, per_step):
-                    acc[0] += sa
-                    acc[1] += sn
-                tot["v"] += v * n
-                tot["p"] += p * n
-                tot["agree"] += a
-                tot["agree_full"] += af
-                tot["n"] += n
-        head.train()
-        n = max(tot["n"], 1)
-        return {"heldout_vloss": tot["v"] / n, "heldout_ploss": tot["p"] / n,
-                "heldout_loss": (tot["v"] + cfg.p_weight * tot["p"]) / n,
-                "heldout_top1": tot["agree"] / n, "heldout_top1_full_vocab": tot["agree_full"] / n,
-                "heldout_tokens": tot["n"],
-                **({f"heldout_top1_step{i + 1}": a / max(n, 1) for i, (a, n) in enumerate(steps_tot)}
-                   if cfg.ttt_steps > 1 else {})}
+        return evaluate_head(head, losses, held_idx, ids, masks, feats, offsets, cfg.batch_tokens, cfg.ttt_steps,
+                             cfg.ttt_decay, cfg.p_weight)
 
     if state["step"] == 0 and not state["history"]:
         ev = evaluate()
@@ -529,7 +519,41 @@ def fit(cfg: TrainConfig, loaded, ids, masks, feats, offsets, train_idx, held_id
     return card
 
 
-def _read_init(path: str, loaded) -> tuple[dict[str, torch.Tensor], bool]:
+def evaluate_head(head, losses: "Losses", idx: list[int], ids, masks, feats, offsets, batch_tokens: int,
+                  steps: int = 1, decay: float = 0.8, p_weight: float = 0.1) -> dict:
+    """Held-out figures of `head` on conversations idx: step-1 feature and KL losses, top-1
+    agreement (draft vocabulary and full vocabulary) and, with steps > 1, each training-time-test
+    step's top-1 (the head fed its own predictions, as when drafting that deep)."""
+    was_training = head.training
+    head.eval()
+    tot = {"v": 0.0, "p": 0.0, "agree": 0.0, "agree_full": 0.0, "n": 0}
+    steps_tot = [[0.0, 0] for _ in range(steps)]
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for b in _batches(idx, offsets, batch_tokens, random.Random(0)):
+            r = losses(head, *_pad(b, ids, masks, feats, offsets), 0.0, g, steps, decay, full_vocab=True)
+            if r is None:
+                continue
+            _, (v, p, a, n, af, per_step) = r
+            for acc, (sa, sn) in zip(steps_tot, per_step):
+                acc[0] += sa
+                acc[1] += sn
+            tot["v"] += v * n
+            tot["p"] += p * n
+            tot["agree"] += a
+            tot["agree_full"] += af
+            tot["n"] += n
+    head.train(was_training)
+    n = max(tot["n"], 1)
+    return {"heldout_vloss": tot["v"] / n, "heldout_ploss": tot["p"] / n,
+            "heldout_loss": (tot["v"] + p_weight * tot["p"]) / n,
+            "heldout_top1": tot["agree"] / n, "heldout_top1_full_vocab": tot["agree_full"] / n,
+            "heldout_tokens": tot["n"],
+            **({f"heldout_top1_step{i + 1}": a / max(n, 1) for i, (a, n) in enumerate(steps_tot)}
+               if steps > 1 else {})}
+
+
+def read_head(path: str, loaded) -> tuple[dict[str, torch.Tensor], bool]:
     """The weights (float32, published EAGLE names, `d2t` kept) of a head directory and whether
     it has biases. The serving loader checks it first (config, shapes, d2t), so --init takes
     exactly the heads --draft takes."""
