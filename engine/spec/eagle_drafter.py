@@ -24,7 +24,7 @@ from engine.spec.tree import Candidates, DraftTree, build_tree, root_only, selec
 from engine.step_io import SeqStep
 
 MAX_CONFIDENCE = 64  # node confidences reported per round (the budget's largest tree)
-SYNC_BACKLOG = 1024  # pending pairs at which a sequence that is not drafting catches up
+SYNC_BACKLOG = 128  # pending pairs at which a sequence that is not drafting catches up
 
 
 @dataclass
@@ -107,9 +107,8 @@ class EagleDrafter(Drafter):
         prefill-sized head forward); syncing every round instead costs a head forward per token
         (~12% of a plain step at one sequence). The catch-up costs the same head FLOPs whenever it
         happens, so it is put off: under load the budget rarely drafts, and a sequence that
-        finishes before its backlog reaches SYNC_BACKLOG never pays it (at 128, every prompt of
-        128+ tokens was caught up right after its prefill). Pending pairs hold copied feature rows (hidden size
-        x dtype bytes each: 1.1 KB for the default model, so at most ~1.1 MB per sequence)."""
+        finishes before its backlog reaches SYNC_BACKLOG never pays it. Pending pairs hold
+        copied feature rows (hidden size x dtype bytes each: 1.1 KB for the default model)."""
         todo = [s for s in steps if self.states.get(s.seq_id) is not None
                 and len(self.states[s.seq_id].tokens) >= SYNC_BACKLOG]
         if not todo:
