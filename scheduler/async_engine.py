@@ -14,7 +14,6 @@ import asyncio
 import ctypes
 import time
 from collections.abc import AsyncIterator
-from concurrent.futures import Executor
 
 from engine.sampling_params import SamplingParams
 from scheduler.loop import EngineLoop
@@ -28,15 +27,14 @@ class EngineDead(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, loop: EngineLoop, on_step=None, on_finish=None, executor: Executor | None = None):
+    def __init__(self, loop: EngineLoop, on_step=None, on_finish=None):
         """on_step(seqs, results, outputs, step_seconds): called on the event loop after every
-        step (metrics); results are the engine's SeqResults (or exceptions) of the step.
-        executor: where steps run (default: the process's engine thread, where `LLM` built the
-        model; see scheduler.worker)."""
+        step (metrics); results are the engine's SeqResults (or exceptions) of the step. Steps
+        run on the process's engine thread, where `LLM` built the model (scheduler.worker)."""
         self.engine = loop
         self.on_step = on_step
         self.on_finish = on_finish  # on_finish(final RequestOutput): every request's end, aborts included
-        self._pool = executor if executor is not None else engine_executor()
+        self._pool = engine_executor()
         self._streams: dict[int, asyncio.Queue] = {}
         self._aborts: set[int] = set()
         self._wake: asyncio.Event | None = None

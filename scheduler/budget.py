@@ -41,18 +41,12 @@ class CostModel:
         self._draft: dict[int, float] = {}
 
     def verify(self, tokens: int) -> float:
-        t = self._verify.get(tokens)
-        if t is None:
-            t = self._verify[tokens] = _interp(self.verify_points, tokens)
-        return t
+        return _memo(self._verify, self.verify_points, tokens)
 
     def draft(self, seqs: int) -> float:
         if seqs <= 0 or not self.draft_points:
             return 0.0
-        t = self._draft.get(seqs)
-        if t is None:
-            t = self._draft[seqs] = _interp(self.draft_points, seqs)
-        return t
+        return _memo(self._draft, self.draft_points, seqs)
 
     def to_json(self) -> dict:
         return {"verify": self.verify_points, "draft": self.draft_points}
@@ -64,6 +58,13 @@ def _dedupe(points) -> list[tuple[int, float]]:
     for x, y in points:
         best[int(x)] = max(float(y), best.get(int(x), float(y)))
     return sorted(best.items())
+
+
+def _memo(cache: dict[int, float], points: list[tuple[int, float]], x: int) -> float:
+    t = cache.get(x)
+    if t is None:
+        t = cache[x] = _interp(points, x)
+    return t
 
 
 def _interp(points: list[tuple[int, float]], x: float) -> float:

@@ -41,7 +41,6 @@ class TrainHead(nn.Module):
 
     def forward(self, embeds: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
         """embeds, feats: [B, T, h] -> predicted next features [B, T, h]."""
-        B, T, _ = embeds.shape
         x, q, k, v = self._qkv(embeds, feats)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self._out(x, a)
@@ -53,12 +52,11 @@ class TrainHead(nn.Module):
         the true pairs up to i - s + 1, then the depth 2..s-1 pairs of the same draft path (step r's
         pair at position i - (s - r)), then itself. Returns each step's predictions [B, T, h];
         rows i < s - 1 have no such path (the caller drops them from the loss)."""
-        B, T, _ = embeds.shape
-        cfg = self.cfg
+        T = embeds.shape[1]
         x1, q1, k1, v1 = self._qkv(embeds, feats)
         preds = [self._out(x1, F.scaled_dot_product_attention(q1, k1, v1, is_causal=True))]
         diag_k, diag_v = [], []  # steps 2..s-1: keys/values at their own positions
-        scale = cfg.head_dim ** -0.5
+        scale = self.cfg.head_dim ** -0.5
         for s in range(2, steps + 1):
             prev = preds[-1].detach()
             f_in = torch.cat([feats[:, :1], prev[:, :-1]], dim=1)  # position i takes pred of f_i (made at i-1)
