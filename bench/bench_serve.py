@@ -272,11 +272,16 @@ def main(argv=None):
                   f"{e['on']['itl_p50']:.4f} / {e['off']['itl_p50']:.4f} |")
     result = {"config": vars(args), "draft": draft, "torch_threads": torch.get_num_threads(),
               "cost_profile_on": engines["on"].cost_profile, "summary": summary, "rows": rows,
+              # the tree budget's cost model after the sweep's online corrections
+              "cost_model_on_end": engines["on"].budget.costs.to_json(),
+              "budget_rounds": {"observed": engines["on"].budget.costs.observed_rounds,
+                                "chosen": engines["on"].budget.rounds, "explored_plain": engines["on"].budget.explored},
               "source_digest": source, "source_changed": source != bd.source_digest(), "git_head": bd.git_head()}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     png = os.path.splitext(args.out)[0] + ".png"
+    print("cost model at the end (on):", json.dumps(result["cost_model_on_end"]))
     print("wrote", args.out, png if plot(png, summary) else "")
 
 

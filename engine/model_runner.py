@@ -142,7 +142,7 @@ class ModelRunner:
         for s in steps:
             if s.restart:  # (re)admitted: whatever the drafter kept from before is stale
                 self.drafter.release(s.seq_id)
-        trees = self._draft(steps)
+        trees, drafted = self._draft(steps)
         if self.fault_hook is not None:
             self.fault_hook(steps)
         t1 = time.perf_counter()
@@ -169,7 +169,8 @@ class ModelRunner:
         results, k = [], 0
         for i in sampled:
             n = len(trees[i])
-            results.append(self._accept(steps[i], trees[i], chosen[k:k + n], logprobs[k:k + n], hidden, roots[i]))
+            results.append(self._accept(steps[i], trees[i], chosen[k:k + n], logprobs[k:k + n], hidden, roots[i],
+                                        drafted[i]))
             k += n
         self.timings.add(draft=t1 - t0, verify=t2 - t1, accept=time.perf_counter() - t2)
         return results
@@ -179,10 +180,12 @@ class ModelRunner:
         where the batch fits a captured bucket, else the eager forward."""
         return self.graphs.forward(spans, self.backend)
 
-    def _draft(self, steps: list[SeqStep]) -> list[DraftTree]:
+    def _draft(self, steps: list[SeqStep]) -> tuple[list[DraftTree], list[int]]:
+        """A tree per step (root only where nothing is drafted) and the levels drafted for it."""
         trees = [root_only(s.token_ids[-1]) for s in steps]
         depths = [min(self.spec.max_depth, s.max_new_tokens - 1,
-                      self.spec.max_depth if s.tree_tokens is None else s.tree_tokens - 1) for s in steps]
+                      s.tree_depth if s.tree_depth is not None
+                      else self.spec.max_depth if s.tree_tokens is None else s.tree_tokens - 1) for s in steps]
         decoding = [i for i, s in enumerate(steps) if len(s.token_ids) == 1 and s.num_cached > 0 and depths[i] > 0]
         idle = [s for i, s in enumerate(steps) if len(s.token_ids) == 1 and s.num_cached > 0 and depths[i] <= 0]
         if idle:
@@ -191,7 +194,7 @@ class ModelRunner:
             proposed = self.drafter.propose([steps[i] for i in decoding], [depths[i] for i in decoding])
             for i, tree in zip(decoding, proposed):
                 trees[i] = tree
-        return trees
+        return trees, [d if len(t) > 1 else 0 for d, t in zip(depths, trees)]
 
     @staticmethod
     def _span(step: SeqStep, tree: DraftTree) -> SeqSpan:
@@ -202,7 +205,7 @@ class ModelRunner:
                        positions=[step.num_cached + d for d in tree.depths], tree_mask=tree.ancestor_mask())
 
     def _accept(self, step: SeqStep, tree: DraftTree, chosen: list[int], logprobs: list, hidden: torch.Tensor,
-                root_row: int) -> SeqResult:
+                root_row: int, drafted_depth: int = 0) -> SeqResult:
         verdict = walk(tree, chosen)
         path = [0] + verdict.accepted_nodes
         root_pos = step.num_cached + len(step.token_ids) - 1
@@ -217,9 +220,10 @@ class ModelRunner:
                 tokens = verdict.tokens
             self.drafter.observe(step, tokens, feats, reset=step.restart)
         lps = [logprobs[n] for n in path] if step.params.logprobs is not None else None
+        conf, conf_depths = self.drafter.confidence(step.seq_id) if len(tree) > 1 else ((), ())
         return SeqResult(step.seq_id, verdict.tokens, lps, num_draft_tokens=len(tree) - 1,
                          accepted_per_depth=(1,) * len(verdict.accepted_nodes),
-                         draft_confidence=self.drafter.confidence(step.seq_id) if len(tree) > 1 else ())
+                         draft_confidence=conf, draft_depths=conf_depths, draft_depth=drafted_depth)
 
     def _compact(self, block_table: list[int], root_pos: int, nodes: list[int]) -> None:
         """Move accepted nodes' KV from their scratch positions to root_pos + 1, + 2, ..."""

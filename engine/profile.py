@@ -1,5 +1,6 @@
 """Start-up cost profile for the tree budget: seconds of one packed target forward by token
-count, and of one drafting round by number of sequences, measured on this engine and device."""
+count, and of one drafting round by number of sequences (at the configured depth, and one level
+deep), measured on this engine and device."""
 from __future__ import annotations
 
 import dataclasses
@@ -33,7 +34,8 @@ def _time(fn, repeats: int) -> float:
 
 @torch.inference_mode()
 def profile_costs(runner, max_tokens: int, max_seqs: int, context: int = 128, repeats: int = 2) -> dict:
-    """{"verify": [(tokens, s)], "draft": [(seqs, s)]}. Uses the runner's KV cache: call it
+    """{"verify": [(tokens, s)], "draft": [(seqs, s)], "draft_first": [(seqs, s)], "depth": D}:
+    draft rounds at the configured depth D and at depth 1. Uses the runner's KV cache: call it
     before any request runs (it overwrites cache slots)."""
     bs = runner.config.block_size
     n_blocks = runner.num_blocks
@@ -59,14 +61,14 @@ def profile_costs(runner, max_tokens: int, max_seqs: int, context: int = 128, re
         def run():  # as the engine runs it: a CUDA graph replay where one fits
             runner.model.compute_logits(runner.forward(spans))
         verify.append((T, _time(run, repeats)))
-    draft = []
+    draft, first = [], []
     drafter = runner.drafter
     if not isinstance(drafter, NoDrafter):
         h = runner.loaded.config.hidden_size
         for n in DRAFT_GRID:
             if n > max_seqs:
                 break
-            blocks_per = -(-(context + runner.spec.scratch_slots + repeats + 8) // bs)
+            blocks_per = -(-(context + runner.spec.scratch_slots + 2 * repeats + 8) // bs)
             if n * blocks_per > n_blocks:
                 break
             steps = [SeqStep(seq_id=-1 - i, token_ids=[1], num_cached=context,
@@ -77,13 +79,14 @@ def profile_costs(runner, max_tokens: int, max_seqs: int, context: int = 128, re
                      for i in range(n)]
             feats = torch.randn(context, h, generator=gen).to(runner.dtype).to(runner.device)
 
-            def run():
+            def run(depth):
                 for s in steps:  # one accepted token's pair pending, as after a verify round
                     drafter.observe(s, [1], feats[-1:], reset=False)
-                drafter.propose(steps, [runner.spec.max_depth] * n)
+                drafter.propose(steps, [depth] * n)
             for s in steps:  # the prompt's pairs, consumed by the untimed warm-up round
                 drafter.observe(dataclasses.replace(s, num_cached=0), s.prompt_token_ids[1:] + [1], feats, reset=True)
-            draft.append((n, _time(run, repeats)))
+            draft.append((n, _time(lambda: run(runner.spec.max_depth), repeats)))
+            first.append((n, _time(lambda: run(1), repeats)))
             for s in steps:
                 drafter.release(s.seq_id)
-    return {"verify": verify, "draft": draft}
+    return {"verify": verify, "draft": draft, "draft_first": first, "depth": runner.spec.max_depth}

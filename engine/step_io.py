@@ -30,6 +30,7 @@ class SeqStep:
     max_new_tokens: int = 1  # most tokens this step may emit (bounds the draft depth)
     prompt_token_ids: list[int] = field(default_factory=list)  # shared, not copied (n-gram lookup)
     tree_tokens: int | None = None  # most tokens to verify this round, root included; None: the configured tree
+    tree_depth: int | None = None  # most levels to draft this round; None: tree_tokens - 1 (or the configured depth)
     restart: bool = True  # the sequence's first step since admission: engine-side state starts over
 
     @property
@@ -62,6 +63,8 @@ class SeqResult:
     # the draft's confidence in this round's tree: estimated probability that the target accepts
     # each drafted node's whole path, best first (EAGLE: exp of the cumulative draft log-prob)
     draft_confidence: tuple[float, ...] = ()
+    draft_depths: tuple[int, ...] = ()  # each confidence's node depth
+    draft_depth: int = 0  # levels drafted this round (the draft's cost)
 
     @property
     def num_accepted(self) -> int:

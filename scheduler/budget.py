@@ -1,55 +1,133 @@
-"""Load-aware tree budget: how many tokens each decoding sequence verifies this round.
+"""Load-aware tree budget: how many tokens each decoding sequence verifies this round, and how
+deep its draft goes.
 
 Model of one round with B decoding sequences, sequence s verifying t_s tokens (root included)
-and P prefill tokens in the same forward:
+drafted d_s levels deep, and P prefill tokens in the same forward:
 
-    time(t)   = verify(P + sum_s t_s) + draft(number of sequences with t_s > 1)
+    time(t)   = verify(P + sum_s t_s) + first(n_1) + sum_{l >= 2} grow(n_l)
     tokens(t) = sum_s (1 + c * sum_{i < t_s - 1} conf_s[i])
 
-`verify(T)` (one packed target forward of T tokens) and `draft(n)` (one drafting round for n
-sequences at the configured depth) come from a start-up profile of the real engine
-(`CostModel`, measured by `ModelRunner.profile_costs`). `conf_s` are the draft's confidences
-from the sequence's last round: for each drafted node, the estimated probability that the
-target accepts its whole path, best first; their sum over a tree is its expected accepted
-length if the draft is calibrated. `c` is a running calibration (accepted / predicted), learned
-from every verified round. The policy adds nodes best-first across the whole batch and keeps
-the prefix of additions with the highest tokens per second; t = 1 for all (plain decoding) is
-one of the candidates, so the modelled throughput never drops below plain decoding.
+with n_l the number of sequences drafting at least l levels. `verify(T)` is one packed target
+forward of T tokens; `first(n)` a drafting round's first level for n sequences (consuming the
+pending pairs, the root's children) and `grow(n)` each further level (`CostModel`). They start
+from a start-up profile of the real engine (`engine.profile.profile_costs`: drafts at depth 1
+and at the configured depth) and are corrected online: every round's measured wall time (plan,
+engine step, outputs) moves the curves at the points the round used (`CostModel.observe`), so a
+noisy profile, the per-round overhead the profile leaves out and a machine whose speed changes
+are learnt within a few hundred rounds. When the budget speculates, one round in
+`explore_every` runs plain so the plain cost it compares against stays measured too (the other
+way round is never explored: that would choose below plain's modelled throughput).
+
+`conf_s` are the draft's confidences from the sequence's last round: for each drafted node, the
+estimated probability that the target accepts its whole path, best first, with the node's
+depth; their sum over a tree is its expected accepted length if the draft is calibrated. A
+best-first prefix of them is a tree (a child's confidence never exceeds its parent's), and its
+deepest node is how deep this round must draft: a small tree of likely siblings drafts one
+level, at a fraction of a full draft's cost. A sequence whose last draft was shallower than the
+configured depth gets its best chain extended at its last level's rate, so deeper trees stay
+reachable. `c` is a running calibration (accepted / predicted), learned from every verified
+round. The policy adds nodes best-first across the whole batch and keeps the prefix of
+additions with the highest tokens per second; t = 1 for all (plain decoding) is one of the
+candidates, so the modelled throughput never drops below plain decoding.
 """
 from __future__ import annotations
 
 import bisect
+from collections import Counter
 from dataclasses import dataclass, field
 
 
 @dataclass
 class CostModel:
-    """Piecewise-linear seconds of a target forward by token count, and of a draft round by
-    number of drafting sequences (measured points; beyond the last, extrapolated linearly)."""
+    """Piecewise-linear seconds (measured points; beyond the last, extrapolated linearly) of a
+    target forward by token count, and of drafting by number of drafting sequences.
+
+    Drafting: with `first_points` (a round drafted one level deep) the cost is per level:
+    first(n) + grow(n) for every level past the first, grow = (draft - first) / (depth - 1)
+    from the profile's full-depth `draft_points`. Without them a draft round costs draft(n)
+    whatever its depth."""
 
     verify_points: list[tuple[int, float]]  # (tokens in the forward, seconds)
-    draft_points: list[tuple[int, float]] = field(default_factory=list)  # (sequences, seconds); [] = free
+    draft_points: list[tuple[int, float]] = field(default_factory=list)  # (sequences, s) at `depth`; [] = free
+    first_points: list[tuple[int, float]] = field(default_factory=list)  # (sequences, s) at depth 1
+    depth: int = 1
 
     def __post_init__(self):
         if not self.verify_points:
             raise ValueError("the cost model needs at least one verify point")
         self.verify_points = _dedupe(self.verify_points)
         self.draft_points = _dedupe(self.draft_points)
+        self.first_points = _dedupe(self.first_points) if self.depth > 1 and self.draft_points else []
+        full = dict(self.draft_points)
+        self.grow_points = [(n, max(full[n] - f, 0.0) / (self.depth - 1)) for n, f in self.first_points if n in full]
+        if self.first_points and not self.grow_points:
+            raise ValueError("first_points need draft_points at the same sequence counts")
+        if not self.first_points:  # per-round cost: the full draft is level 1
+            self.first_points, self.grow_points = self.draft_points, []
         # memo by count: `TreeBudget.choose` asks for every count along its additions, each
-        # round (a few thousand lookups at 32 sequences)
+        # round (a few thousand lookups at 32 sequences); `observe` drops what it changed
         self._verify: dict[int, float] = {}
-        self._draft: dict[int, float] = {}
+        self._first: dict[int, float] = {}
+        self._grow: dict[int, float] = {}
+        self.observed_rounds = 0
+
+    @property
+    def per_level(self) -> bool:
+        return bool(self.grow_points)
 
     def verify(self, tokens: int) -> float:
         return _memo(self._verify, self.verify_points, tokens)
 
-    def draft(self, seqs: int) -> float:
-        if seqs <= 0 or not self.draft_points:
+    def level(self, level: int, seqs: int) -> float:
+        """Seconds of drafting level `level` (1 = first) for `seqs` sequences."""
+        if seqs <= 0:
             return 0.0
-        return _memo(self._draft, self.draft_points, seqs)
+        if level == 1:
+            return _memo(self._first, self.first_points, seqs) if self.first_points else 0.0
+        return _memo(self._grow, self.grow_points, seqs) if self.grow_points else 0.0
+
+    def draft(self, seqs: int, depth: int | None = None) -> float:
+        """A draft round of `seqs` sequences, `depth` levels each (None: the profiled depth)."""
+        d = self.depth if depth is None else depth
+        return self.level(1, seqs) + (max(d, 1) - 1) * self.level(2, seqs)
+
+    def draft_levels(self, levels: list[int]) -> float:
+        """A draft round with levels[l - 1] sequences drafting level l."""
+        return sum(self.level(l, n) for l, n in enumerate(levels, 1))
+
+    def observe(self, tokens: int, levels: list[int] | int, seconds: float, rate: float = 0.1) -> None:
+        """A measured round: `tokens` in the target forward, `levels[l - 1]` sequences drafting
+        level l (an int n: n sequences at the profiled depth), its wall seconds. The error of
+        the modelled time is split between the curves by their shares of it and moves each by
+        `rate` of its share at that point (normalised least-mean-squares on the piecewise-
+        linear curves: the measured points around it move by their interpolation weights)."""
+        if tokens <= 0 or not seconds > 0:
+            return
+        if isinstance(levels, int):
+            levels = [levels] * (self.depth if self.per_level else 1) if levels > 0 else []
+        if not self.per_level:
+            levels = levels[:1]
+        v = self.verify(tokens)
+        parts = Counter()  # (curve, sequences) -> modelled seconds
+        for l, n in enumerate(levels, 1):
+            if n > 0:
+                parts[(min(l, 2), n)] += self.level(l, n)
+        total = v + sum(parts.values())
+        err = seconds - total
+        if total <= 0:
+            return
+        _nudge(self.verify_points, self._verify, tokens, rate * err * v / total)
+        for (curve, n), t in parts.items():
+            points, cache = (self.first_points, self._first) if curve == 1 else (self.grow_points, self._grow)
+            if points:
+                # the curve's value at n counts once per level drafted by n sequences
+                uses = sum(1 for l, m in enumerate(levels, 1) if m == n and min(l, 2) == curve)
+                _nudge(points, cache, n, rate * err * t / total / uses)
+        self.observed_rounds += 1
 
     def to_json(self) -> dict:
-        return {"verify": self.verify_points, "draft": self.draft_points}
+        return {"verify": self.verify_points, "draft_first": self.first_points, "draft_grow": self.grow_points,
+                "depth": self.depth}
 
 
 def _dedupe(points) -> list[tuple[int, float]]:
@@ -67,6 +145,39 @@ def _memo(cache: dict[int, float], points: list[tuple[int, float]], x: int) -> f
     return t
 
 
+def _nudge(points: list[tuple[int, float]], cache: dict[int, float], x: int, delta: float,
+           floor: float = 1e-6) -> None:
+    """Move the curve's value at x by delta (the points that interpolate it, by weight), then
+    drop the memoised values that depended on them."""
+    if len(points) == 1:
+        x0, y0 = points[0]
+        points[0] = (x0, max(floor, y0 + delta * max(x0, 1) / max(x, 1)))
+        cache.clear()
+        return
+    xs = [p[0] for p in points]
+    i = bisect.bisect_left(xs, x)
+    if i < len(xs) and xs[i] == x:
+        moves = [(i, 1.0)]
+    else:
+        i = min(max(i, 1), len(points) - 1)
+        w1 = (x - xs[i - 1]) / (xs[i] - xs[i - 1])  # beyond the ends: an extrapolation weight
+        moves = [(i - 1, 1.0 - w1), (i, w1)]
+    norm = sum(w * w for _, w in moves)
+    for j, w in moves:
+        points[j] = (xs[j], max(floor, points[j][1] + delta * w / norm))
+    lo = min(j for j, _ in moves)
+    hi = max(j for j, _ in moves)
+    # a point's value shapes the segments on either side; the end segments extend outwards
+    lo_x = xs[lo - 1] if lo > 0 else float("-inf")
+    hi_x = xs[hi + 1] if hi + 1 < len(xs) else float("inf")
+    if lo <= 1:
+        lo_x = float("-inf")
+    if hi >= len(xs) - 2:
+        hi_x = float("inf")
+    for k in [k for k in cache if lo_x < k < hi_x]:
+        del cache[k]
+
+
 def _interp(points: list[tuple[int, float]], x: float) -> float:
     xs = [p[0] for p in points]
     if len(points) == 1:
@@ -81,57 +192,206 @@ def _interp(points: list[tuple[int, float]], x: float) -> float:
 
 class TreeBudget:
     def __init__(self, costs: CostModel, max_tree_tokens: int, prior: tuple[float, ...] = (),
-                 ema: float = 0.05):
+                 ema: float = 0.05, explore_every: int = 32, cost_rate: float = 0.1, max_depth: int | None = None):
         """max_tree_tokens: the configured tree (the most a round may verify); prior: node
-        confidences assumed for a sequence with no round yet."""
+        confidences (best first) assumed before any round is seen; explore_every: when
+        speculating, run every this many rounds plain, and as many at the full depth (0: never);
+        cost_rate: online cost correction step (0: keep the start-up profile); max_depth: the
+        configured draft depth (None: the budget sizes trees only, every draft runs the
+        engine's depth and costs a profiled draft round)."""
         self.costs = costs
         self.max_tree = max_tree_tokens
+        self.max_depth = max_depth
         self.ema = ema
+        self.explore_every = explore_every
+        self.cost_rate = cost_rate
+        self.rounds = 0
+        self.explored = 0  # plain rounds run to keep plain's cost measured
+        self.explored_depth = 0  # full-depth drafts run to keep the deeper levels' confidences measured
         self.calibration = 1.0  # accepted tokens / predicted accepted tokens (running)
-        self.prior = tuple(prior) or tuple(0.6 ** (i + 1) for i in range(max_tree_tokens - 1))
+        # expected confidences, best first, of a tree drafted d levels deep: prior[d - 1]. A
+        # chain before any round (node i at depth i + 1), learnt from every drafted round:
+        # a round drafted D_r deep says what every depth d <= D_r would have drafted (EAGLE-2's
+        # frontier at a level does not depend on how deep the draft goes on)
+        chain = tuple(prior) or tuple(0.6 ** (i + 1) for i in range(max_tree_tokens - 1))
+        n = max_tree_tokens - 1
+        self.prior = [(chain[:d] + (0.0,) * n)[:n] if max_depth else (chain + (0.0,) * n)[:n]
+                      for d in range(1, (max_depth or 1) + 1)]
         self.last_choice: list[int] = []
+        self.last_depths: list[int | None] = []
         self.last_modelled: tuple[float, float] = (0.0, 0.0)  # (chosen, plain) tokens per second
 
-    def observe(self, confidence: tuple[float, ...], tree_tokens: int, accepted: int) -> None:
-        """A verified round: its node confidences, tokens verified and drafted tokens accepted."""
+    def observe(self, confidence: tuple[float, ...], tree_tokens: int, accepted: int,
+                depths: tuple[int, ...] = (), drafted_depth: int = 0) -> None:
+        """A verified round: the confidences of the nodes it drafted (best first) and their
+        depths, the tokens verified, the drafted tokens accepted, the levels drafted."""
         predicted = sum(confidence[:tree_tokens - 1])
         if predicted <= 0:
             return
         ratio = min(max(accepted / predicted, 0.05), 5.0)
         self.calibration += self.ema * (ratio - self.calibration)
-        if confidence:
-            n = len(self.prior)
-            padded = tuple(confidence[:n]) + (0.0,) * (n - min(n, len(confidence)))
-            self.prior = tuple(p + self.ema * (c - p) for p, c in zip(self.prior, padded))
+        n = self.max_tree - 1
+        if not self.max_depth:
+            levels = [tuple(confidence)]
+        else:
+            if len(depths) != len(confidence):
+                return
+            top = min(drafted_depth or max(depths), self.max_depth)
+            levels = [tuple(p for p, x in zip(confidence, depths) if x <= d) for d in range(1, top + 1)]
+        for d, conf in enumerate(levels):
+            conf = (conf + (0.0,) * n)[:n]
+            self.prior[d] = tuple(p + self.ema * (c - p) for p, c in zip(self.prior[d], conf))
 
-    def choose(self, confidences: list[tuple[float, ...]], caps: list[int], prefill_tokens: int = 0) -> list[int]:
-        """Tokens to verify for each decoding sequence (1 = no speculation). caps[s]: most tokens
-        the sequence may still emit this round (max_tokens / context), bounding its depth."""
+    def observe_round(self, tokens: int, levels: list[int] | int, seconds: float) -> None:
+        """A round's measured wall time (see `CostModel.observe`)."""
+        if self.cost_rate > 0:
+            self.costs.observe(tokens, levels, seconds, self.cost_rate)
+
+    def choose(self, confidences: list[tuple[float, ...]], caps: list[int], prefill_tokens: int = 0,
+               depths: list[tuple[int, ...]] | None = None) -> list[int]:
+        """Tokens to verify for each decoding sequence (1 = no speculation); `last_depths` then
+        holds how deep each drafts (None where it does not). caps[s]: most tokens the sequence
+        may still emit this round (max_tokens / context), bounding its depth. confidences[s]
+        (with depths[s], their nodes' depths): what the sequence's draft is expected to give,
+        best first; () for the learnt prior. The scheduler passes () for all: the last round's
+        confidences barely predict the next round's acceptance (correlation 0.05 for the
+        shipped head), the running prior does better."""
+        n = len(confidences)
+        if any(confidences):
+            sizes, deep, best_rate, plain = self._choose_each(confidences, caps, prefill_tokens, depths)
+        else:
+            sizes, deep, best_rate, plain = self._choose_shared(caps, prefill_tokens)
+        self.rounds += 1
+        self.last_modelled = (best_rate, plain)
+        if self.explore_every and any(x > 1 for x in sizes):
+            if self.rounds % self.explore_every == 0:
+                # measure plain now and then: its modelled cost is what speculation must beat
+                sizes, deep = [1] * n, [0] * n
+                self.explored += 1
+            elif self.max_depth and self.rounds % self.explore_every == self.explore_every // 2 \
+                    and any(0 < d < self.max_depth for d in deep):
+                # and the full depth: the deeper levels' confidences are learnt from such rounds
+                deep = [min(self.max_depth, caps[s] - 1) if d else 0 for s, d in enumerate(deep)]
+                self.explored_depth += 1
+        self.last_choice = sizes
+        self.last_depths = [d if d and self.max_depth else None for d in deep]
+        return sizes
+
+    def _draft_cost(self, seqs: int, depth: int) -> float:
+        return self.costs.level(1, seqs) + (depth - 1) * self.costs.level(2, seqs)
+
+    def _choose_shared(self, caps: list[int], prefill: int):
+        """Every sequence expects the prior: the best round gives each the same tree (or one
+        node more for some), drafted to one common depth. Searched over depth x tree size,
+        then over the sequences that take one node more around the best size."""
+        n = len(caps)
+        c = self.calibration
+        verify = self.costs.verify
+        plain = n / max(verify(prefill + n), 1e-12)
+        best = (plain, 0, 0)  # (rate, depth, additions)
+        sums = []
+        for conf in self.prior:
+            acc = [0.0]
+            for p in conf:
+                acc.append(acc[-1] + p)
+            sums.append(acc)
+
+        def rate(d: int, k: int) -> float:
+            base, extra = divmod(k, n)
+            acc = sums[d - 1]
+            emitted = n + c * (n * acc[base] + (extra * (acc[base + 1] - acc[base]) if extra else 0.0))
+            drafting = n if base else extra
+            return emitted / max(verify(prefill + n + k) + self._draft_cost(drafting, d), 1e-12)
+
+        top = self.max_tree - 1
+        for d in range(1, len(self.prior) + 1):
+            for t in range(1, top + 1):
+                r = rate(d, n * t)
+                if r > best[0]:
+                    best = (r, d, n * t)
+        if best[2]:
+            d, t = best[1], best[2] // n
+            for k in range(n * (t - 1) + 1, min(n * (t + 1), n * top)):
+                r = rate(d, k)
+                if r > best[0]:
+                    best = (r, d, k)
+        rate_, d, k = best
+        base, extra = divmod(k, n)
+        sizes, deep = [1] * n, [0] * n
+        if not k:
+            return sizes, deep, rate_, plain
+        drafted = [sum(1 for p in conf if p > 0) for conf in self.prior]  # nodes a draft that deep has
+        for s in range(n):
+            grow = base + (1 if s < extra else 0)
+            if grow and caps[s] > 1:
+                dd = min(d, caps[s] - 1)
+                sizes[s] = 1 + min(grow, drafted[dd - 1] if self.max_depth else grow)
+                deep[s] = dd
+        return sizes, deep, rate_, plain
+
+    def _nodes(self, conf: tuple[float, ...], depths: tuple[int, ...]) -> list[tuple[float, int]]:
+        """A sequence's candidate nodes (confidence, depth), best first."""
+        if not self.max_depth:
+            return [(p, 1) for p in conf]
+        if len(depths) != len(conf):
+            depths = tuple(min(i + 1, self.max_depth) for i in range(len(conf)))
+        nodes = list(zip(conf, depths))
+        deepest = max(depths, default=0)
+        if 0 < deepest < self.max_depth:
+            # the last draft stopped short: extend its best chain at its last level's rate
+            best = {}
+            for p, d in nodes:
+                best[d] = max(p, best.get(d, 0.0))
+            last = best[deepest]
+            rate = last / best[deepest - 1] if deepest > 1 and best.get(deepest - 1) else last
+            rate = min(rate, 0.95)
+            for d in range(deepest + 1, self.max_depth + 1):
+                last *= rate
+                nodes.append((last, d))
+            nodes.sort(key=lambda x: -x[0])
+        return nodes
+
+    def _choose_each(self, confidences, caps, prefill, depths):
+        """Per-sequence confidences: nodes are added best-first across the whole batch and the
+        prefix of additions with the highest modelled tokens per second is kept."""
         n = len(confidences)
         c = self.calibration
-        gains = []  # (gain, seq)
+        gains = []  # (gain, seq, depth)
         for s, conf in enumerate(confidences):
-            conf = conf or self.prior
+            dep = depths[s] if depths is not None else ()
+            if not conf:
+                conf = self.prior[-1]
+                dep = ()
             limit = self.max_tree - 1 if caps[s] > 1 else 0
-            for p in conf[:limit]:
-                gains.append((c * p, s))
+            k = 0
+            for p, d in self._nodes(conf, dep):
+                if k >= limit:
+                    break
+                if self.max_depth and d > min(self.max_depth, caps[s] - 1):
+                    continue  # deeper than it may draft or emit (its descendants are deeper still)
+                gains.append((c * p, s, d))
+                k += 1
         gains.sort(key=lambda g: -g[0])
-        sizes = [1] * n
-        plain = n / max(self.costs.verify(prefill_tokens + n), 1e-12)
+        sizes, deep = [1] * n, [0] * n
+        levels = [0] * ((self.max_depth or 1) + 1)  # levels[l]: sequences drafting level l
+        level_cost = self.costs.level
+        plain = n / max(self.costs.verify(prefill + n), 1e-12)
         best_rate, best_k = plain, 0
-        tokens, emitted, drafting = prefill_tokens + n, float(n), 0
-        for k, (g, s) in enumerate(gains, 1):
-            if sizes[s] == 1:
-                drafting += 1
+        tokens, emitted, drafting = prefill + n, float(n), 0.0
+        for k, (g, s, d) in enumerate(gains, 1):
             sizes[s] += 1
             tokens += 1
             emitted += g
-            rate = emitted / max(self.costs.verify(tokens) + self.costs.draft(drafting), 1e-12)
+            while deep[s] < d:  # this sequence now drafts one level deeper
+                deep[s] += 1
+                lv = deep[s]
+                drafting += level_cost(lv, levels[lv] + 1) - level_cost(lv, levels[lv])
+                levels[lv] += 1
+            rate = emitted / max(self.costs.verify(tokens) + drafting, 1e-12)
             if rate > best_rate:
                 best_rate, best_k = rate, k
-        sizes = [1] * n
-        for g, s in gains[:best_k]:
+        sizes, deep = [1] * n, [0] * n
+        for g, s, d in gains[:best_k]:
             sizes[s] += 1
-        self.last_choice = sizes
-        self.last_modelled = (best_rate, plain)
-        return sizes
+            deep[s] = max(deep[s], d)
+        return sizes, deep, best_rate, plain

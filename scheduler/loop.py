@@ -48,6 +48,7 @@ class EngineLoop:
         self.scheduler = Scheduler(config, allocator, eos_token_ids, spec_tokens, spec_slots, budget)
         self.num_steps = 0
         self.last_step_time: float | None = None
+        self._round_start: float | None = None
         self.vocab_size = vocab_size
         self._ids = itertools.count()
         self._text: dict[int, SeqTextState] = {}
@@ -107,6 +108,7 @@ class EngineLoop:
 
     def plan(self) -> tuple[list[Sequence], list[SeqStep]]:
         """Schedule the next step (admission, block reservations, tree budgets)."""
+        self._round_start = time.perf_counter()
         seqs = self.scheduler.schedule()
         return seqs, self.scheduler.steps(seqs)
 
@@ -150,10 +152,23 @@ class EngineLoop:
         for seq in good:
             if seq.seq_id in sampled:
                 seq.first_token_time = seq.first_token_time or now
+        # the round as the tree budget models it: tokens in the forward, sequences drafting each level
+        forward_tokens = sum(s.num_scheduled for s in seqs) + sum(r.num_draft_tokens for r in ok)
+        levels = [0] * max((r.draft_depth for r in ok if r.num_draft_tokens), default=0)
+        for r in ok:
+            if r.num_draft_tokens:
+                for lv in range(r.draft_depth):
+                    levels[lv] += 1
         self.scheduler.update(good, ok)
         self.num_steps += 1
         self.last_step_time = now
-        return [self._output(seq) for seq in seqs if seq.seq_id in sampled or seq.is_finished]
+        outputs = [self._output(seq) for seq in seqs if seq.seq_id in sampled or seq.is_finished]
+        budget = self.scheduler.budget
+        if not failed and self._round_start is not None and hasattr(budget, "observe_round"):
+            # wall time of the whole round: plan, engine step (with its thread hop), outputs
+            budget.observe_round(forward_tokens, levels, time.perf_counter() - self._round_start)
+        self._round_start = None
+        return outputs
 
     def _output(self, seq: Sequence) -> RequestOutput:
         state = self._text[seq.seq_id]

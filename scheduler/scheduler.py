@@ -83,7 +83,7 @@ class Scheduler:
             self.waiting.popleft()
             self.allocator.reserve(seq.table, slots)
             seq.status = SequenceStatus.RUNNING
-            seq.num_scheduled, seq.tree_tokens, seq.restart = n, None, True
+            seq.num_scheduled, seq.tree_tokens, seq.tree_depth, seq.restart = n, None, None, True
             self.running.append(seq)
             scheduled.append(seq)
             inflight.update(self._new_hashes(seq))
@@ -115,7 +115,7 @@ class Scheduler:
                     break
             if seq in self.running:
                 self.allocator.reserve(seq.table, slots)
-                seq.num_scheduled, seq.tree_tokens, seq.restart = n, None, False
+                seq.num_scheduled, seq.tree_tokens, seq.tree_depth, seq.restart = n, None, None, False
                 scheduled.append(seq)
                 budget -= n
         return scheduled
@@ -133,11 +133,15 @@ class Scheduler:
         caps = [self.max_new_tokens(s) for s in decoding]
         prefill = sum(s.num_scheduled for s in scheduled) - len(decoding)
         if self.budget is None:
-            sizes = [None] * len(decoding)
+            sizes = depths = [None] * len(decoding)
         else:
-            sizes = self.budget.choose([s.draft_confidence for s in decoding], caps, prefill)
-        for s, size in zip(decoding, sizes):
+            # no per-sequence confidences: the budget's running prior predicts a round better
+            # than the sequence's own last round does
+            sizes = self.budget.choose([()] * len(decoding), caps, prefill)
+            depths = getattr(self.budget, "last_depths", None) or [None] * len(decoding)
+        for s, size, depth in zip(decoding, sizes, depths):
             s.tree_tokens = size  # None: the engine's configured tree
+            s.tree_depth = depth
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -157,7 +161,7 @@ class Scheduler:
                                output_token_ids=list(s.output_token_ids),
                                sample=start + s.num_scheduled == s.num_tokens,
                                max_new_tokens=self.max_new_tokens(s), prompt_token_ids=s.prompt_token_ids,
-                               tree_tokens=s.tree_tokens, restart=s.restart))
+                               tree_tokens=s.tree_tokens, tree_depth=s.tree_depth, restart=s.restart))
         return out
 
     def max_new_tokens(self, seq: Sequence) -> int:
@@ -182,8 +186,8 @@ class Scheduler:
             if result is not None:
                 seq.spec.add(result)
                 if self.budget is not None and result.num_draft_tokens:
-                    self.budget.observe(result.draft_confidence, result.num_draft_tokens + 1, result.num_accepted)
-                seq.draft_confidence = result.draft_confidence
+                    self.budget.observe(result.draft_confidence, result.num_draft_tokens + 1, result.num_accepted,
+                                        result.draft_depths, result.draft_depth)
                 for i, token in enumerate(result.token_ids):
                     seq.output_token_ids.append(token)
                     if result.logprobs is not None:

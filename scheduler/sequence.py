@@ -67,10 +67,8 @@ class Sequence:
     # per step, set by the scheduler
     num_scheduled: int = 0  # tokens fed this step (a prefill chunk, or the one new token)
     tree_tokens: int | None = None  # tokens the step may verify (1: no speculation; None: the engine's tree)
+    tree_depth: int | None = None  # levels the step may draft (None: the engine's rule)
     restart: bool = True  # first step since admission: engine-side state starts over
-    # speculation feedback for the tree budget: last round's draft confidence (cumulative path
-    # probabilities, best first) and how many drafted tokens it accepted
-    draft_confidence: tuple[float, ...] = ()
     error: str | None = None  # why an engine error ended it (finish reason ERROR)
     _hashes: list[int] = field(default_factory=list)
 

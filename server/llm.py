@@ -44,8 +44,13 @@ class LLM:
             from engine.profile import profile_costs
             from scheduler.budget import CostModel, TreeBudget
             self.cost_profile = profile_costs(self.runner, c.max_num_batched_tokens, c.max_num_seqs)
-            self.budget = TreeBudget(CostModel(self.cost_profile["verify"], self.cost_profile["draft"]),
-                                     spec.tree_tokens)
+            # eagle2's dynamic tree is sized and cut to depth per round; the other drafters'
+            # rounds cost what the profile measured, whatever their size
+            per_level = spec.method == "eagle2"
+            prof = self.cost_profile
+            costs = CostModel(prof["verify"], prof["draft"], prof["draft_first"] if per_level else [],
+                              depth=prof["depth"])
+            self.budget = TreeBudget(costs, spec.tree_tokens, max_depth=spec.max_depth if per_level else None)
         self.loop = EngineLoop(self.runner, self.tokenizer, self.allocator, sched,
                                loaded.eos_token_ids, loaded.config.vocab_size,
                                spec_tokens=spec.max_depth + 1, spec_slots=spec.scratch_slots, budget=self.budget)

@@ -235,12 +235,210 @@ def test_budget_calibration_learns_from_accepted_tokens():
     assert 0.4 < b.calibration < 0.55
 
 
+def test_cost_model_learns_measured_round_times_and_memo_stays_consistent():
+    true_v = lambda t: 0.010 + 0.0012 * t  # noqa: E731 - the machine's real verify cost
+    true_d = lambda n: 0.002 * n  # noqa: E731
+    # a start-up profile off by up to 2x, both ways
+    costs = CostModel([(1, 0.020), (4, 0.010), (8, 0.011), (32, 0.100), (64, 0.070)], [(1, 0.004), (8, 0.008)])
+    rng = random.Random(0)
+    for _ in range(3000):
+        t, n = rng.choice([(1, 0), (4, 0), (8, 1), (8, 0), (12, 2), (32, 4), (64, 8), (64, 0), (100, 8)])
+        costs.verify(rng.randrange(1, 120))  # fill the memo in between, as choose() does
+        costs.draft(rng.randrange(1, 12))
+        costs.observe(t, n, true_v(t) + true_d(n) * rng.uniform(0.95, 1.05))
+    for t, n in [(1, 0), (4, 0), (8, 1), (32, 4), (64, 8), (100, 8)]:
+        assert costs.verify(t) + costs.draft(n) == pytest.approx(true_v(t) + true_d(n), rel=0.05)
+    # the memo never serves a value from before an update
+    fresh = CostModel(list(costs.verify_points), list(costs.draft_points))
+    assert [costs.verify(t) for t in range(1, 200)] == [fresh.verify(t) for t in range(1, 200)]
+    assert [costs.draft(n) for n in range(1, 20)] == [fresh.draft(n) for n in range(1, 20)]
+    assert costs.observed_rounds == 3000
+
+
+def _simulate(budget, true_v, true_d, conf, n_seqs, rounds):
+    """Rounds of a budget against a machine whose round time is true_v(tokens) + true_d(drafting);
+    returns the chosen sizes of every round."""
+    chosen = []
+    for _ in range(rounds):
+        sizes = budget.choose([conf] * n_seqs, [8] * n_seqs)
+        drafting = sum(1 for s in sizes if s > 1)
+        budget.observe_round(sum(sizes), drafting, true_v(sum(sizes)) + true_d(drafting))
+        chosen.append(sizes)
+    return chosen
+
+
+@pytest.mark.parametrize("profile", ["verify(8) too cheap", "verify(1) too dear"])
+def test_budget_stops_speculating_where_measured_rounds_show_it_does_not_pay(profile):
+    """The failure of a noisy start-up profile: it makes speculation look cheap at one sequence.
+    Measured rounds correct it either way (speculative rounds correct the tree's cost, the
+    exploring plain rounds correct plain's), and the budget settles on plain decoding."""
+    true_v = lambda t: 0.010 * (1 + 0.12 * (t - 1))  # noqa: E731 - verify(8) = 1.84 x verify(1)
+    true_d = lambda n: 0.004 * n  # noqa: E731
+    conf = (0.3, 0.1, 0.04, 0.02, 0.01, 0.005, 0.002)  # no tree pays: 1.3 tokens cost 1.52 rounds at 2
+    pts = {"verify(8) too cheap": [(1, 0.010), (2, 0.0102), (4, 0.0104), (8, 0.0108), (16, 0.030)],
+           "verify(1) too dear": [(1, 0.018), (2, 0.0181), (4, 0.0182), (8, 0.0184), (16, 0.028)]}[profile]
+    budget = TreeBudget(CostModel(pts, [(1, 0.001), (8, 0.008)]), 8)
+    first = budget.choose([conf], [8])
+    assert first[0] > 1  # the profile says speculate
+    chosen = _simulate(budget, true_v, true_d, conf, 1, 600)
+    assert all(s == [1] for s in chosen[-200:])
+    assert budget.costs.verify(1) == pytest.approx(0.010, rel=0.05)
+
+
+def test_budget_explores_plain_rounds_only_while_speculating():
+    flat = CostModel([(1, 0.010), (64, 0.0105)], [(1, 0.001), (64, 0.002)])
+    b = TreeBudget(flat, 8, explore_every=8, cost_rate=0)
+    sizes = [b.choose([CONF] * 2, [8] * 2) for _ in range(64)]
+    plain = [i for i, s in enumerate(sizes) if s == [1, 1]]
+    assert plain == list(range(7, 64, 8)) and b.explored == 8  # one round in 8, the rest the full tree
+    assert all(s == [8, 8] for i, s in enumerate(sizes) if i not in plain)
+    steep = CostModel([(1, 0.010), (2, 0.020), (64, 0.640)], [(1, 0.001)])
+    b = TreeBudget(steep, 8, explore_every=8, cost_rate=0)
+    assert all(b.choose([CONF], [8]) == [1] for _ in range(64)) and b.explored == 0  # never speculates to explore
+
+
+def test_per_level_draft_cost_and_its_online_correction():
+    costs = CostModel([(1, 0.010), (64, 0.020)], [(1, 0.005), (8, 0.013)], [(1, 0.002), (8, 0.005)], depth=4)
+    assert costs.level(1, 1) == pytest.approx(0.002) and costs.level(2, 1) == pytest.approx(0.001)
+    assert costs.draft(1) == pytest.approx(0.005) and costs.draft(8, depth=2) == pytest.approx(0.005 + 0.008 / 3)
+    assert costs.draft_levels([8, 8, 1]) == pytest.approx(0.005 + 0.008 / 3 + 0.001)
+    true = lambda t, lv: 0.010 + 0.0002 * t + sum(0.003 if i == 0 else 0.0015 * n ** 0.5 for i, n in enumerate(lv))  # noqa: E731
+    rng = random.Random(1)
+    for _ in range(4000):
+        lv = sorted((rng.randrange(1, 9) for _ in range(rng.randrange(0, 5))), reverse=True)
+        t = sum(lv) * 2 + rng.randrange(1, 9)
+        costs.observe(t, lv, true(t, lv))
+    for t, lv in [(3, []), (12, [4, 2]), (30, [8, 8, 8, 8]), (9, [1])]:
+        assert costs.verify(t) + costs.draft_levels(lv) == pytest.approx(true(t, lv), rel=0.05)
+
+
+SIBLINGS = ((0.45, 0.35, 0.08, 0.05, 0.03, 0.02, 0.01), (1, 1, 2, 2, 1, 2, 3))  # likely first tokens, weak chains
+
+
+def test_budget_drafts_only_as_deep_as_the_chosen_nodes():
+    # verify nearly flat; each level past the first costs as much as 2 extra tokens of verify
+    costs = CostModel([(1, 0.010), (8, 0.011), (64, 0.02)], [(1, 0.009), (8, 0.020)], [(1, 0.001), (8, 0.003)],
+                      depth=5)
+    b = TreeBudget(costs, 8, max_depth=5, explore_every=0)
+    sizes = b.choose([SIBLINGS[0]], [8], depths=[SIBLINGS[1]])
+    assert sizes == [3] and b.last_depths == [1]  # the two likely siblings, drafted one level deep
+    agnostic = TreeBudget(CostModel([(1, 0.010), (8, 0.011), (64, 0.02)], [(1, 0.009), (8, 0.020)]), 8,
+                          explore_every=0)
+    assert agnostic.choose([SIBLINGS[0]], [8]) == [1]  # charged a full draft, the same tree does not pay
+    assert agnostic.last_depths == [None]
+    # a confident chain goes deep; caps bound the depth
+    chain = (tuple(0.9 ** (i + 1) for i in range(5)), tuple(range(1, 6)))
+    assert b.choose([chain[0]], [8], depths=[chain[1]]) == [6] and b.last_depths == [5]
+    assert b.choose([chain[0]], [3], depths=[chain[1]]) == [3] and b.last_depths == [2]
+
+
+def test_budget_extends_a_shallow_last_draft_so_depth_stays_reachable():
+    costs = CostModel([(1, 0.010), (8, 0.0102), (64, 0.02)], [(1, 0.0024), (8, 0.004)], [(1, 0.001), (8, 0.002)],
+                      depth=4)
+    b = TreeBudget(costs, 8, max_depth=4, explore_every=0)
+    nodes = b._nodes((0.9, 0.05), (1, 1))  # last round drafted one level only
+    assert [d for _, d in nodes] == [1, 2, 3, 4, 1] and nodes[1][0] == pytest.approx(0.9 * 0.9)
+    b.choose([(0.9, 0.05)], [8], depths=[(1, 1)])
+    assert b.last_depths[0] >= 3
+
+
+def test_budget_prior_learns_each_depth_from_the_rounds_drafted_that_deep():
+    costs = CostModel([(1, 0.010), (64, 0.02)], [(1, 0.005), (8, 0.013)], [(1, 0.002), (8, 0.005)], depth=3)
+    b = TreeBudget(costs, 6, max_depth=3, ema=1.0)  # ema 1: the prior is the last round's
+    deep3 = b.prior[2]
+    b.observe((0.5, 0.3, 0.2, 0.1), 3, 1, (1, 2, 1, 2), drafted_depth=2)
+    assert b.prior[0] == (0.5, 0.2, 0.0, 0.0, 0.0)  # depth <= 1 nodes, best first
+    assert b.prior[1] == (0.5, 0.3, 0.2, 0.1, 0.0)
+    assert b.prior[2] == deep3  # a depth-2 round says nothing of depth 3
+    assert b.calibration == pytest.approx(1 / 0.8)
+
+
+def test_shared_budget_picks_the_depth_and_size_that_pay():
+    # verify nearly flat to 8 tokens per sequence, a level past the first costs 2 ms
+    costs = CostModel([(1, 0.010), (8, 0.0105), (64, 0.014), (256, 0.05)], [(1, 0.009), (8, 0.02)],
+                      [(1, 0.001), (8, 0.004)], depth=5)
+    b = TreeBudget(costs, 8, max_depth=5, explore_every=0, ema=1.0)
+    b.calibration = 1.0
+    b.observe(SIBLINGS[0], 8, 1, SIBLINGS[1], drafted_depth=3)
+    sizes = b.choose([()], [8])
+    assert sizes == [4] and b.last_depths == [1]  # 0.45 + 0.35 + 0.03 at depth 1; depth 2 does not pay
+    chain = (tuple(0.9 ** (i + 1) for i in range(5)), tuple(range(1, 6)))
+    b.observe(*chain[:1], 6, 4, chain[1], drafted_depth=5)
+    b.calibration = 1.0
+    assert b.choose([()], [8]) == [6] and b.last_depths == [5]
+    assert b.choose([()], [3]) == [3] and b.last_depths == [2]  # two tokens left: two levels
+    # many sequences: verify grows past 64 tokens, so fewer nodes each, down to plain
+    many = b.choose([()] * 32, [8] * 32)
+    assert max(many) < 6
+    b.calibration = 0.05
+    assert b.choose([()] * 32, [8] * 32) == [1] * 32 and b.last_depths == [None] * 32
+
+
+def test_shared_budget_explores_plain_and_full_depth_while_speculating():
+    costs = CostModel([(1, 0.010), (64, 0.0105)], [(1, 0.005), (8, 0.013)], [(1, 0.0005), (8, 0.001)], depth=4)
+    b = TreeBudget(costs, 8, max_depth=4, explore_every=8, cost_rate=0, ema=1.0)
+    b.observe((0.9, 0.8, 0.05), 4, 2, (1, 1, 2), drafted_depth=2)
+    rounds = [(b.choose([()], [8]), b.last_depths[0]) for _ in range(32)]
+    plain = [i for i, (sz, _) in enumerate(rounds) if sz == [1]]
+    full = [i for i, (_, d) in enumerate(rounds) if d == 4]
+    assert plain == [7, 15, 23, 31] and full == [3, 11, 19, 27]
+    assert all(d == 1 for i, (_, d) in enumerate(rounds) if i not in plain + full)
+
+
+def test_engine_drafts_no_deeper_than_the_step_asks(tiny_llama, head_dir):
+    class Shallow:
+        last_depths: list = []
+
+        def choose(self, confidences, caps, prefill_tokens=0, depths=None):
+            self.last_depths = [1] * len(confidences)
+            return [4] * len(confidences)
+
+        def observe(self, *args):
+            pass
+
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    ref = LLM(tiny_llama[0], **KW, kv_cache_tokens=2048).generate([5, 6, 7, 8], params)[0].token_ids
+    llm = LLM(tiny_llama[0], **KW, kv_cache_tokens=2048, draft=head_dir, tree_budget=False,
+              spec=SpecConfig("eagle2", total_tokens=8, depth=4, top_k=3))
+    llm.loop.scheduler.budget = Shallow()
+    results = []
+    real = llm.runner.execute
+    llm.runner.execute = lambda steps: (lambda r: (results.extend(r), r)[1])(real(steps))
+    out = llm.generate([5, 6, 7, 8], params)[0]
+    assert out.token_ids == ref
+    drafted = [r for r in results if r.num_draft_tokens]
+    assert drafted and all(r.draft_depth == 1 and r.num_draft_tokens == 3 and r.num_accepted <= 1 for r in drafted)
+    assert all(set(r.draft_depths) == {1} for r in drafted)
+
+
+def test_engine_loop_reports_each_round_to_the_budget(tiny_llama, head_dir):
+    llm = LLM(tiny_llama[0], **KW, kv_cache_tokens=2048, draft=head_dir,
+              spec=SpecConfig("eagle2", total_tokens=8, depth=3, top_k=2), max_num_seqs=8, max_num_batched_tokens=64)
+    llm.budget.costs = CostModel([(1, 0.01), (64, 0.0101)])  # free drafts, flat verify: it speculates
+    seen = []
+    real = llm.budget.observe_round
+    llm.budget.observe_round = lambda t, n, s: (seen.append((t, n, s)), real(t, n, s))
+    before = llm.budget.costs.observed_rounds
+    outs = llm.generate([[5, 6, 7, 8, 9], [10, 11, 12]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert seen[0][:2] == (8, [])  # both prompts prefilled in one forward, nothing drafted
+    assert len(seen) == llm.loop.num_steps and llm.budget.costs.observed_rounds - before == len(seen)
+    drafted = sum(o.spec.draft_tokens for o in outs)
+    # every later round: one root per sequence still running plus the drafted nodes verified
+    assert sum(t for t, _, _ in seen[1:]) - drafted == sum(len(o.token_ids) for o in outs) - 2 - sum(
+        o.spec.accepted_tokens for o in outs)
+    assert all(s > 0 for _, _, s in seen)
+    # levels: sequences drafting each level, at most the 2 sequences, at most depth 3, nested
+    assert any(lv for _, lv, _ in seen)
+    assert all(len(lv) <= 3 and all(2 >= a >= b >= 1 for a, b in zip(lv, lv[1:] + [1])) for _, lv, _ in seen)
+
+
 def test_startup_profiler_runs_on_a_tiny_model(tiny_llama, head_dir):
     llm = LLM(tiny_llama[0], **KW, kv_cache_tokens=2048, draft=head_dir,
               spec=SpecConfig("eagle2", total_tokens=8, depth=3, top_k=2), max_num_seqs=8, max_num_batched_tokens=64)
     prof = llm.cost_profile
     assert [t for t, _ in prof["verify"]][:4] == [1, 2, 3, 4] and prof["verify"][-1][0] <= 64
-    assert [n for n, _ in prof["draft"]] == [1, 2, 4, 8]
+    assert [n for n, _ in prof["draft"]] == [n for n, _ in prof["draft_first"]] == [1, 2, 4, 8]
+    assert prof["depth"] == 3 and llm.budget.max_depth == 3 and llm.budget.costs.per_level
     assert all(s > 0 for _, s in prof["verify"] + prof["draft"])
     # the profile left nothing behind: generation afterwards equals a fixed-tree engine's
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
@@ -255,7 +453,7 @@ class AlternatingBudget:
     def __init__(self):
         self.rounds = 0
 
-    def choose(self, confidences, caps, prefill_tokens=0):
+    def choose(self, confidences, caps, prefill_tokens=0, depths=None):
         self.rounds += 1
         return [8 if self.rounds % 9 == 0 else 1 for _ in confidences]
 

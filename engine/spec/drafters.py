@@ -31,10 +31,10 @@ class Drafter(abc.ABC):
     def sync(self, steps: list[SeqStep]) -> None:
         """Bring state up to date for decoding sequences that draft nothing this round."""
 
-    def confidence(self, seq_id: int) -> tuple[float, ...]:
-        """The last proposed tree's node confidences (estimated P(path accepted)), best first;
-        () when the drafter has no such estimate."""
-        return ()
+    def confidence(self, seq_id: int) -> tuple[tuple[float, ...], tuple[int, ...]]:
+        """The last proposed tree's node confidences (estimated P(path accepted)), best first,
+        and each node's depth; ((), ()) when the drafter has no such estimate."""
+        return (), ()
 
 
 class NoDrafter(Drafter):

@@ -59,7 +59,7 @@ class EagleDrafter(Drafter):
         self.backend = make_backend(cfg.head_dim ** -0.5, device, dtype, attention)
         self.rotary = target.model.rotary if cfg.rope_theta == target.config.rope_theta else _rotary(cfg)
         self.states: dict[int, HeadState] = {}
-        self._confidence: dict[int, tuple[float, ...]] = {}  # seq -> last tree's node confidences
+        self._confidence: dict[int, tuple[tuple[float, ...], tuple[int, ...]]] = {}  # seq -> last tree's (confidences, depths)
         self.static = spec.method == "eagle1"
         # static: child ranks under every rank path (() = the root); width = ranks the LM head must rank
         self._children = _static_children(spec.static_tree) if self.static else {}
@@ -95,8 +95,9 @@ class EagleDrafter(Drafter):
         for j, i in enumerate(active):
             g = growths[j]
             trees[i] = self._tree(steps[i].token_ids[-1], g, steps[i].tree_tokens)
-            scores = sorted((sc for sc, d in zip(g.cands.scores, g.depths) if d <= g.max_depth), reverse=True)
-            self._confidence[steps[i].seq_id] = tuple(math.exp(sc) for sc in scores[:MAX_CONFIDENCE])
+            nodes = sorted(((sc, d) for sc, d in zip(g.cands.scores, g.depths) if d <= g.max_depth),
+                           key=lambda x: -x[0])[:MAX_CONFIDENCE]
+            self._confidence[steps[i].seq_id] = (tuple(math.exp(sc) for sc, _ in nodes), tuple(d for _, d in nodes))
         return trees
 
     @torch.inference_mode()
@@ -120,8 +121,8 @@ class EagleDrafter(Drafter):
             st.draft_len += len(st.tokens)
             st.tokens, st.features = [], []
 
-    def confidence(self, seq_id: int) -> tuple[float, ...]:
-        return self._confidence.pop(seq_id, ())
+    def confidence(self, seq_id: int) -> tuple[tuple[float, ...], tuple[int, ...]]:
+        return self._confidence.pop(seq_id, ((), ()))
 
     def _head_forward(self, spans: list[SeqSpan], feats: torch.Tensor) -> torch.Tensor:
         batch = build_forward_batch(spans, self.block_size, self.device)
