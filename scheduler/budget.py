@@ -192,14 +192,17 @@ def _interp(points: list[tuple[int, float]], x: float) -> float:
 
 class TreeBudget:
     def __init__(self, costs: CostModel, max_tree_tokens: int, prior: tuple[float, ...] = (),
-                 ema: float = 0.05, explore_every: int = 32, cost_rate: float = 0.1, max_depth: int | None = None):
+                 ema: float = 0.05, explore_every: int = 32, cost_rate: float = 0.1, max_depth: int | None = None,
+                 research_every: int = 8):
         """max_tree_tokens: the configured tree (the most a round may verify); prior: node
         confidences (best first) assumed before any round is seen; explore_every: when
         speculating, run every this many rounds plain, and as many at the full depth (0: never);
         cost_rate: online cost correction step (0: keep the start-up profile); max_depth: the
         configured draft depth (None: the budget sizes trees only, every draft runs the
-        engine's depth and costs a profiled draft round)."""
+        engine's depth and costs a profiled draft round); research_every: rounds a shared-prior
+        choice is reused for the same batch size and prefill (1: searched every round)."""
         self.costs = costs
+        self.research_every = research_every
         self.max_tree = max_tree_tokens
         self.max_depth = max_depth
         self.ema = ema
@@ -217,6 +220,7 @@ class TreeBudget:
         n = max_tree_tokens - 1
         self.prior = [(chain[:d] + (0.0,) * n)[:n] if max_depth else (chain + (0.0,) * n)[:n]
                       for d in range(1, (max_depth or 1) + 1)]
+        self._search: dict[tuple[int, int], tuple] = {}  # (seqs, prefill) -> (round, best, plain)
         self.last_choice: list[int] = []
         self.last_depths: list[int | None] = []
         self.last_modelled: tuple[float, float] = (0.0, 0.0)  # (chosen, plain) tokens per second
@@ -280,52 +284,72 @@ class TreeBudget:
     def _draft_cost(self, seqs: int, depth: int) -> float:
         return self.costs.level(1, seqs) + (depth - 1) * self.costs.level(2, seqs)
 
-    def _choose_shared(self, caps: list[int], prefill: int):
-        """Every sequence expects the prior: the best round gives each the same tree (or one
-        node more for some), drafted to one common depth. Searched over depth x tree size,
-        then over the sequences that take one node more around the best size."""
-        n = len(caps)
+    def _search_shared(self, n: int, prefill: int):
         c = self.calibration
         verify = self.costs.verify
         plain = n / max(verify(prefill + n), 1e-12)
         best = (plain, 0, 0)  # (rate, depth, additions)
-        sums = []
+        sums, drafted = [], []
         for conf in self.prior:
             acc = [0.0]
             for p in conf:
                 acc.append(acc[-1] + p)
             sums.append(acc)
+            drafted.append(sum(1 for p in conf if p > 0))
+        cost = {}  # (sequences drafting, depth) -> seconds
 
         def rate(d: int, k: int) -> float:
             base, extra = divmod(k, n)
             acc = sums[d - 1]
             emitted = n + c * (n * acc[base] + (extra * (acc[base + 1] - acc[base]) if extra else 0.0))
-            drafting = n if base else extra
-            return emitted / max(verify(prefill + n + k) + self._draft_cost(drafting, d), 1e-12)
+            m = n if base else extra
+            dc = cost.get((m, d))
+            if dc is None:
+                dc = cost[(m, d)] = self._draft_cost(m, d)
+            return emitted / max(verify(prefill + n + k) + dc, 1e-12)
 
         top = self.max_tree - 1
         for d in range(1, len(self.prior) + 1):
-            for t in range(1, top + 1):
+            for t in range(1, min(top, drafted[d - 1]) + 1):  # past the drafted nodes, nothing gains
                 r = rate(d, n * t)
                 if r > best[0]:
                     best = (r, d, n * t)
         if best[2]:
             d, t = best[1], best[2] // n
-            for k in range(n * (t - 1) + 1, min(n * (t + 1), n * top)):
+            for k in range(n * (t - 1) + 1, min(n * (t + 1), n * min(top, drafted[d - 1]))):
                 r = rate(d, k)
                 if r > best[0]:
                     best = (r, d, k)
+        return best, plain
+
+    def _choose_shared(self, caps: list[int], prefill: int):
+        """Every sequence expects the prior: the best round gives each the same tree (or one
+        node more for some), drafted to one common depth. Searched over depth x tree size,
+        then over the sequences that take one node more around the best size; the search is
+        redone every `research_every` rounds per (batch size, prefill tokens), the prior and
+        costs moving slowly (at 8 sequences it was ~2% of a round done every round)."""
+        n = len(caps)
+        key = (n, prefill)
+        hit = self._search.get(key)
+        if hit is not None and self.rounds - hit[0] < self.research_every:
+            best, plain = hit[1], hit[2]
+        else:
+            best, plain = self._search_shared(n, prefill)
+            if len(self._search) > 256:
+                self._search.clear()
+            self._search[key] = (self.rounds, best, plain)
         rate_, d, k = best
         base, extra = divmod(k, n)
         sizes, deep = [1] * n, [0] * n
         if not k:
             return sizes, deep, rate_, plain
-        drafted = [sum(1 for p in conf if p > 0) for conf in self.prior]  # nodes a draft that deep has
         for s in range(n):
             grow = base + (1 if s < extra else 0)
             if grow and caps[s] > 1:
                 dd = min(d, caps[s] - 1)
-                sizes[s] = 1 + min(grow, drafted[dd - 1] if self.max_depth else grow)
+                if dd < d and self.max_depth:  # a capped sequence: no more nodes than that depth drafts
+                    grow = min(grow, sum(1 for p in self.prior[dd - 1] if p > 0))
+                sizes[s] = 1 + grow
                 deep[s] = dd
         return sizes, deep, rate_, plain
 

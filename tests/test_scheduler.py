@@ -357,7 +357,7 @@ def test_shared_budget_picks_the_depth_and_size_that_pay():
     # verify nearly flat to 8 tokens per sequence, a level past the first costs 2 ms
     costs = CostModel([(1, 0.010), (8, 0.0105), (64, 0.014), (256, 0.05)], [(1, 0.009), (8, 0.02)],
                       [(1, 0.001), (8, 0.004)], depth=5)
-    b = TreeBudget(costs, 8, max_depth=5, explore_every=0, ema=1.0)
+    b = TreeBudget(costs, 8, max_depth=5, explore_every=0, ema=1.0, research_every=1)
     b.calibration = 1.0
     b.observe(SIBLINGS[0], 8, 1, SIBLINGS[1], drafted_depth=3)
     sizes = b.choose([()], [8])
@@ -383,6 +383,19 @@ def test_shared_budget_explores_plain_and_full_depth_while_speculating():
     full = [i for i, (_, d) in enumerate(rounds) if d == 4]
     assert plain == [7, 15, 23, 31] and full == [3, 11, 19, 27]
     assert all(d == 1 for i, (_, d) in enumerate(rounds) if i not in plain + full)
+
+
+def test_shared_budget_reuses_its_search_for_a_few_rounds():
+    costs = CostModel([(1, 0.010), (64, 0.0105)], [(1, 0.005), (8, 0.013)], [(1, 0.0005), (8, 0.001)], depth=4)
+    b = TreeBudget(costs, 8, max_depth=4, explore_every=0, cost_rate=0, ema=1.0, research_every=4)
+    b.observe((0.9, 0.8, 0.05), 4, 2, (1, 1, 2), drafted_depth=2)
+    first = b.choose([()], [8])
+    assert first[0] > 1
+    b.observe((0.001,), 2, 0, (1,), drafted_depth=1)  # the draft turns useless
+    b.calibration = 0.01
+    assert [b.choose([()], [8]) for _ in range(3)] == [first] * 3  # the search of round 1, reused
+    assert b.choose([()], [8]) == [1]  # round 5 searches again
+    assert b.choose([()] * 2, [8] * 2) == [1, 1]  # another batch size is its own search
 
 
 def test_engine_drafts_no_deeper_than_the_step_asks(tiny_llama, head_dir):
