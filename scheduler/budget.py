@@ -192,7 +192,7 @@ def _interp(points: list[tuple[int, float]], x: float) -> float:
 
 class TreeBudget:
     def __init__(self, costs: CostModel, max_tree_tokens: int, prior: tuple[float, ...] = (),
-                 ema: float = 0.05, explore_every: int = 32, cost_rate: float = 0.1, max_depth: int | None = None,
+                 ema: float = 0.02, explore_every: int = 32, cost_rate: float = 0.1, max_depth: int | None = None,
                  research_every: int = 8):
         """max_tree_tokens: the configured tree (the most a round may verify); prior: node
         confidences (best first) assumed before any round is seen; explore_every: when
@@ -212,6 +212,7 @@ class TreeBudget:
         self.explored = 0  # plain rounds run to keep plain's cost measured
         self.explored_depth = 0  # full-depth drafts run to keep the deeper levels' confidences measured
         self.calibration = 1.0  # accepted tokens / predicted accepted tokens (running)
+        self._accepted = self._predicted = 1.0
         # expected confidences, best first, of a tree drafted d levels deep: prior[d - 1]. A
         # chain before any round (node i at depth i + 1), learnt from every drafted round:
         # a round drafted D_r deep says what every depth d <= D_r would have drafted (EAGLE-2's
@@ -232,8 +233,11 @@ class TreeBudget:
         predicted = sum(confidence[:tree_tokens - 1])
         if predicted <= 0:
             return
-        ratio = min(max(accepted / predicted, 0.05), 5.0)
-        self.calibration += self.ema * (ratio - self.calibration)
+        # a ratio of running sums, not a running ratio: one round's accepted / predicted is 0 or
+        # several times the prediction, so its average swings and clipping it biases it
+        self._accepted += self.ema * (accepted - self._accepted)
+        self._predicted += self.ema * (predicted - self._predicted)
+        self.calibration = min(max(self._accepted / self._predicted, 0.05), 5.0)
         n = self.max_tree - 1
         if not self.max_depth:
             levels = [tuple(confidence)]
