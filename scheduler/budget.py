@@ -97,32 +97,36 @@ class CostModel:
 
     def observe(self, tokens: int, levels: list[int] | int, seconds: float, rate: float = 0.1) -> None:
         """A measured round: `tokens` in the target forward, `levels[l - 1]` sequences drafting
-        level l (an int n: n sequences at the profiled depth), its wall seconds. The error of
-        the modelled time is split between the curves by their shares of it and moves each by
-        `rate` of its share at that point (normalised least-mean-squares on the piecewise-
-        linear curves: the measured points around it move by their interpolation weights)."""
+        level l (an int n: n sequences at the profiled depth), its wall seconds. A plain round
+        (nothing drafted) moves the verify curve by `rate` of its error at `tokens`; a drafting
+        round moves only the drafting curves, split by their shares of the modelled draft time,
+        so the cost a tree adds to a round (draft, tree attention, acceptance) is learnt where it
+        is paid and never leaks into what plain rounds of as many tokens cost. Normalised
+        least-mean-squares on the piecewise-linear curves: the measured points around a point
+        move by their interpolation weights."""
         if tokens <= 0 or not seconds > 0:
             return
         if isinstance(levels, int):
             levels = [levels] * (self.depth if self.per_level else 1) if levels > 0 else []
         if not self.per_level:
             levels = levels[:1]
+        levels = [n for n in levels if n > 0]
         v = self.verify(tokens)
         parts = Counter()  # (curve, sequences) -> modelled seconds
         for l, n in enumerate(levels, 1):
-            if n > 0:
-                parts[(min(l, 2), n)] += self.level(l, n)
-        total = v + sum(parts.values())
-        err = seconds - total
-        if total <= 0:
-            return
-        _nudge(self.verify_points, self._verify, tokens, rate * err * v / total)
-        for (curve, n), t in parts.items():
-            points, cache = (self.first_points, self._first) if curve == 1 else (self.grow_points, self._grow)
-            if points:
-                # the curve's value at n counts once per level drafted by n sequences
-                uses = sum(1 for l, m in enumerate(levels, 1) if m == n and min(l, 2) == curve)
-                _nudge(points, cache, n, rate * err * t / total / uses)
+            parts[(min(l, 2), n)] += self.level(l, n)
+        drafted = sum(parts.values())
+        err = seconds - (v + drafted)
+        if not levels or not self.first_points:
+            _nudge(self.verify_points, self._verify, tokens, rate * err)
+        else:
+            for (curve, n), t in parts.items():
+                points, cache = (self.first_points, self._first) if curve == 1 else (self.grow_points, self._grow)
+                if points:
+                    share = t / drafted if drafted > 0 else 1.0 / len(parts)
+                    # the curve's value at n counts once per level drafted by n sequences
+                    uses = sum(1 for l, m in enumerate(levels, 1) if m == n and min(l, 2) == curve)
+                    _nudge(points, cache, n, rate * err * share / uses)
         self.observed_rounds += 1
 
     def to_json(self) -> dict:

@@ -241,18 +241,30 @@ def test_cost_model_learns_measured_round_times_and_memo_stays_consistent():
     # a start-up profile off by up to 2x, both ways
     costs = CostModel([(1, 0.020), (4, 0.010), (8, 0.011), (32, 0.100), (64, 0.070)], [(1, 0.004), (8, 0.008)])
     rng = random.Random(0)
+    rounds = [(1, 0), (4, 0), (8, 0), (32, 0), (64, 0), (8, 1), (32, 4), (64, 8)]
     for _ in range(3000):
-        t, n = rng.choice([(1, 0), (4, 0), (8, 1), (8, 0), (12, 2), (32, 4), (64, 8), (64, 0), (100, 8)])
+        t, n = rng.choice(rounds)
         costs.verify(rng.randrange(1, 120))  # fill the memo in between, as choose() does
         costs.draft(rng.randrange(1, 12))
         costs.observe(t, n, true_v(t) + true_d(n) * rng.uniform(0.95, 1.05))
-    for t, n in [(1, 0), (4, 0), (8, 1), (32, 4), (64, 8), (100, 8)]:
+    for t, n in rounds:
         assert costs.verify(t) + costs.draft(n) == pytest.approx(true_v(t) + true_d(n), rel=0.05)
     # the memo never serves a value from before an update
     fresh = CostModel(list(costs.verify_points), list(costs.draft_points))
     assert [costs.verify(t) for t in range(1, 200)] == [fresh.verify(t) for t in range(1, 200)]
     assert [costs.draft(n) for n in range(1, 20)] == [fresh.draft(n) for n in range(1, 20)]
     assert costs.observed_rounds == 3000
+
+
+def test_drafting_rounds_teach_the_draft_cost_not_plain_verify():
+    costs = CostModel([(1, 0.010), (8, 0.012)], [(1, 0.004), (8, 0.008)], [(1, 0.001), (8, 0.002)], depth=3)
+    verify = [costs.verify(t) for t in range(1, 9)]
+    for _ in range(300):  # speculative rounds at one sequence, 4 tokens: 6 ms more than modelled
+        costs.observe(4, [1], 0.0179)
+    assert [costs.verify(t) for t in range(1, 9)] == verify  # plain rounds of 4 tokens cost what they did
+    assert costs.verify(4) + costs.draft_levels([1]) == pytest.approx(0.0179, rel=0.02)
+    costs.observe(4, [], 0.020)
+    assert costs.verify(4) > verify[3]  # a plain round moves verify
 
 
 def _simulate(budget, true_v, true_d, conf, n_seqs, rounds):
@@ -304,9 +316,9 @@ def test_per_level_draft_cost_and_its_online_correction():
     assert costs.draft_levels([8, 8, 1]) == pytest.approx(0.005 + 0.008 / 3 + 0.001)
     true = lambda t, lv: 0.010 + 0.0002 * t + sum(0.003 if i == 0 else 0.0015 * n ** 0.5 for i, n in enumerate(lv))  # noqa: E731
     rng = random.Random(1)
-    for _ in range(4000):
-        lv = sorted((rng.randrange(1, 9) for _ in range(rng.randrange(0, 5))), reverse=True)
-        t = sum(lv) * 2 + rng.randrange(1, 9)
+    for _ in range(6000):  # plain rounds of all sizes teach verify, drafting rounds the levels
+        lv = sorted((rng.randrange(1, 9) for _ in range(rng.randrange(1, 5))), reverse=True) if rng.random() < 0.5 else []
+        t = sum(lv) * 2 + rng.randrange(1, 9) if lv else rng.randrange(1, 80)
         costs.observe(t, lv, true(t, lv))
     for t, lv in [(3, []), (12, [4, 2]), (30, [8, 8, 8, 8]), (9, [1])]:
         assert costs.verify(t) + costs.draft_levels(lv) == pytest.approx(true(t, lv), rel=0.05)
