@@ -31,13 +31,33 @@ class AttentionBackend(abc.ABC):
         """q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H * D]."""
 
 
+def cuda_sdpa_backends():
+    """The SDPA kernels the torch backend allows on CUDA: flash, memory-efficient and math, not
+    cuDNN. cuDNN's attention builds and caches an execution plan per input shape; the eager
+    forward's key length grows by one or more tokens every round, so every round was a new
+    shape. bench/gpu_check.py (H200, torch 2.11): eager decode of a SmolLM2-135M-shaped model at
+    61 ms per round where the same rounds on shapes already seen took 16 ms."""
+    from torch.nn.attention import SDPBackend
+    return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 class TorchAttention(AttentionBackend):
-    """Reference backend: gather through the block table, one masked SDPA for the batch."""
+    """Reference backend: gather through the block table, one masked SDPA for the batch.
+    `sdpa_backends`: the SDPA kernels allowed (None: torch's own choice); make_backend passes
+    `cuda_sdpa_backends()` on CUDA."""
 
     name = "torch"
 
-    def __init__(self, scale: float):
+    def __init__(self, scale: float, sdpa_backends=None):
         self.scale = scale
+        self.sdpa_backends = sdpa_backends
+
+    def sdpa(self, *args, **kwargs) -> torch.Tensor:
+        if self.sdpa_backends is None:
+            return F.scaled_dot_product_attention(*args, **kwargs)
+        from torch.nn.attention import sdpa_kernel
+        with sdpa_kernel(self.sdpa_backends):
+            return F.scaled_dot_product_attention(*args, **kwargs)
 
     @staticmethod
     def store_and_gather(k, v, layer, batch, kv):
@@ -57,8 +77,8 @@ class TorchAttention(AttentionBackend):
         else:
             queries = q.new_zeros(B * Q, H, D).index_copy_(0, batch.q_index, q)
             queries = queries.view(B, Q, H, D).transpose(1, 2)  # [B, H, Q, D]
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=batch.attn_mask,
-                                             scale=self.scale, enable_gqa=True)  # [B, H, Q, D]
+        out = self.sdpa(queries, keys, values, attn_mask=batch.attn_mask,
+                        scale=self.scale, enable_gqa=True)  # [B, H, Q, D]
         out = out.transpose(1, 2).reshape(B * Q, H * D)
         return out if batch.q_index is None else out.index_select(0, batch.q_index)
 
@@ -141,7 +161,7 @@ def make_backend(scale: float, device: torch.device, dtype: torch.dtype, attenti
     if attention not in ATTENTIONS:
         raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
     if attention == "torch":
-        return TorchAttention(scale)
+        return TorchAttention(scale, cuda_sdpa_backends() if device.type == "cuda" else None)
     if attention == "flash":
         return _flash_backend(scale, device, dtype)
     if attention == "native":
@@ -158,7 +178,7 @@ def make_backend(scale: float, device: torch.device, dtype: torch.dtype, attenti
             return _flash_backend(scale, device, dtype)
         except ValueError as e:
             log.info("attention auto: torch backend on %s (%s)", device, e)
-            return TorchAttention(scale)
+            return TorchAttention(scale, cuda_sdpa_backends())
     mod = _native_kernels(dtype) if device.type == "cpu" else None
     return NativeCPUAttention(scale, mod) if mod is not None else TorchAttention(scale)
 

@@ -337,6 +337,32 @@ def test_selection_without_flash_attn(monkeypatch):
     assert type(make_backend(0.1, CPU, torch.float64)) is TorchAttention  # no float64 kernels
 
 
+def test_torch_backend_on_cuda_never_uses_cudnn_attention(monkeypatch):
+    """cuDNN's SDPA builds a plan per shape (44 ms per new key length on an H200, 0.3 ms
+    without it: bench/results/gpu_check.json); the eager key length changes every round."""
+    from torch.nn.attention import SDPBackend
+    from engine.attention import cuda_sdpa_backends
+    no_flash(monkeypatch)
+    cuda = torch.device("cuda")
+    for choice in ("auto", "torch"):
+        backend = make_backend(0.1, cuda, torch.bfloat16, choice)
+        assert backend.sdpa_backends == cuda_sdpa_backends()
+        assert SDPBackend.CUDNN_ATTENTION not in backend.sdpa_backends
+        assert SDPBackend.EFFICIENT_ATTENTION in backend.sdpa_backends  # takes masks and GQA
+    assert make_backend(0.1, CPU, torch.float64, "torch").sdpa_backends is None
+    # the restricted call computes what the unrestricted one does (the CPU runs it through math / flash)
+    spans = [SeqSpan([3], 30, list(range(4))), SeqSpan([1, 2, 5], 7, list(range(4, 8)))]
+    batch = build_forward_batch(spans, 16, CPU)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(4, h, 8, generator=gen, dtype=torch.float64) for h in (4, 2, 2))
+    outs = []
+    for allowed in (None, cuda_sdpa_backends()):
+        kv = KVCache(1, 9, 16, 2, 8, torch.float64, CPU)
+        kv.data.normal_(generator=torch.Generator().manual_seed(1))
+        outs.append(TorchAttention(8 ** -0.5, allowed).forward(q, k, v, 0, batch, kv))
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_selection_with_flash_attn(monkeypatch):
     cuda = torch.device("cuda")
     real_looking = types.ModuleType("flash_attn")  # installed, but not a CPU stand-in
