@@ -54,6 +54,10 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--kv-cache-tokens", type=int, default=65536)
     ap.add_argument("--prompts", type=int, default=32, help="per set")
+    ap.add_argument("--engines", default="on,off",
+                    help="on, off, and on-plain: the 'on' engine (head loaded, its state kept every round) "
+                         "with a tree budget that never speculates, to separate the head's bookkeeping from "
+                         "the budget's choices")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "serve.json"))
     return ap.parse_args(argv)
 
@@ -215,7 +219,15 @@ def summarize(rows):
                 if on and off:
                     ratios.append(on[0]["tok_s"] / off[0]["tok_s"])
             entry = {"on_off_ratio_median": statistics.median(ratios) if ratios else None, "ratios": ratios}
-            for eng in ("on", "off"):
+            engines = list(dict.fromkeys(r["engine"] for r in rs))
+            for eng in engines:
+                if eng in ("on", "off"):
+                    continue
+                rr = [x[0]["tok_s"] / y[0]["tok_s"] for rep in reps
+                      for x, y in [([r for r in rs if r["rep"] == rep and r["engine"] == eng],
+                                    [r for r in rs if r["rep"] == rep and r["engine"] == "off"])] if x and y]
+                entry[f"{eng}_off_ratio_median"] = statistics.median(rr) if rr else None
+            for eng in engines:
                 es = [r for r in rs if r["engine"] == eng]
                 entry[eng] = {k: statistics.median([r[k] for r in es if r[k] is not None] or [0])
                               for k in ("tok_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99")}
@@ -257,8 +269,18 @@ def main(argv=None):
         raise SystemExit("no draft head: pass --draft DIR")
     prompts = load_prompts(args.prompts)
     common = dict(dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens)
-    engines = {"on": LLM(None, draft=draft, spec=SpecConfig("eagle2"), **common),
-               "off": LLM(None, spec=SpecConfig("none"), **common)}
+    engines = {}
+    for name in args.engines.split(","):
+        if name in ("on", "on-plain"):
+            engines[name] = LLM(None, draft=draft, spec=SpecConfig("eagle2"), **common)
+            if name == "on-plain":
+                engines[name].budget.min_gain = float("inf")  # models no tree as a gain: always plain
+        elif name == "off":
+            engines[name] = LLM(None, spec=SpecConfig("none"), **common)
+        else:
+            raise SystemExit(f"--engines: unknown engine {name!r} (on, off, on-plain)")
+    if not {"on", "off"} <= set(engines):
+        raise SystemExit("--engines must include on and off")
     print("cost profile (on):", json.dumps(engines["on"].cost_profile))
     source = bd.source_digest()
     rows = asyncio.run(sweep(args, engines, prompts))
@@ -270,6 +292,8 @@ def main(argv=None):
             print(f"| {c} | {e['on']['tok_s']:.1f} | {e['off']['tok_s']:.1f} | {e['on_off_ratio_median']:.2f} | "
                   f"{e['on']['ttft_p50']:.3f} / {e['off']['ttft_p50']:.3f} | "
                   f"{e['on']['itl_p50']:.4f} / {e['off']['itl_p50']:.4f} |")
+            if "on-plain" in e:
+                print(f"|   on-plain | {e['on-plain']['tok_s']:.1f} | | {e['on-plain_off_ratio_median']:.2f} | | |")
     result = {"config": vars(args), "draft": draft, "torch_threads": torch.get_num_threads(),
               "cost_profile_on": engines["on"].cost_profile, "summary": summary, "rows": rows,
               # the tree budget's cost model after the sweep's online corrections

@@ -131,6 +131,11 @@ class ModelRunner:
         return EagleDrafter(head, self.model, spec, self.num_blocks, self.config.block_size, self.dtype, self.device,
                             self.config.attention)
 
+    @property
+    def catchup_seconds(self) -> float:
+        """Seconds the drafter spent consuming backlogs of pending pairs (cumulative)."""
+        return getattr(self.drafter, "catchup_seconds", 0.0)
+
     def release(self, seq_id: int) -> None:
         self.drafter.release(seq_id)
 

@@ -30,6 +30,14 @@ per-sequence confidences get nodes added best-first across the batch instead. `c
 calibration (accepted / predicted), learned from every verified round. Plain decoding is one of
 the candidates, so the modelled throughput never drops below plain decoding, and a tree is
 chosen only where it models `min_gain` over plain.
+
+The model can still be wrong (its cost curves are learnt from noisy rounds, the confidences are
+an average), so a measured guard sits on top: per batch size, running averages of the tokens
+per second that pure decode rounds actually gave, plain and speculating. Where the budget would
+speculate but its speculating rounds measured slower than its plain rounds, it decodes plainly
+and probes speculation every `guard_probe` rounds; plain rounds are explored more often until
+each batch size has `guard_min` of them (`bench/bench_serve.py --engines on,off,on-plain`: the
+model speculated at 4 clients where it lost 5%).
 """
 from __future__ import annotations
 
@@ -198,7 +206,8 @@ def _interp(points: list[tuple[int, float]], x: float) -> float:
 class TreeBudget:
     def __init__(self, costs: CostModel, max_tree_tokens: int, prior: tuple[float, ...] = (),
                  ema: float = 0.02, explore_every: int = 32, cost_rate: float = 0.1, max_depth: int | None = None,
-                 research_every: int = 8, min_gain: float = 0.05):
+                 research_every: int = 8, min_gain: float = 0.05, guard_min: int = 8, guard_probe: int = 16,
+                 guard_ema: float = 0.1):
         """max_tree_tokens: the configured tree (the most a round may verify); prior: node
         confidences (best first) assumed before any round is seen; explore_every: when
         speculating, run every this many rounds plain, and as many at the full depth (0: never);
@@ -207,7 +216,11 @@ class TreeBudget:
         engine's depth and costs a profiled draft round); research_every: rounds a shared-prior
         choice is reused for the same batch size and prefill (1: searched every round);
         min_gain: speculate only where the model gains at least this fraction over plain (its
-        error on these machines is about that: a 0-5% modelled gain lost 5-9% at 4 clients)."""
+        error on these machines is about that: a 0-5% modelled gain lost 5-9% at 4 clients);
+        guard_min: measured pure-decode rounds of each kind (plain, speculating) a batch size
+        needs before the measured guard overrides the model (0: no guard); guard_probe: while
+        the guard holds speculation off, speculate every this many rounds to keep measuring it;
+        guard_ema: the running averages' step."""
         self.costs = costs
         self.min_gain = min_gain
         self.research_every = research_every
@@ -233,6 +246,12 @@ class TreeBudget:
         self.last_choice: list[int] = []
         self.last_depths: list[int | None] = []
         self.last_modelled: tuple[float, float] = (0.0, 0.0)  # (chosen, plain) tokens per second
+        self.guard_min, self.guard_probe, self.guard_ema = guard_min, guard_probe, guard_ema
+        # batch size -> {"plain" | "spec": [tokens per second (running average), rounds]}
+        self.measured: dict[int, dict[str, list[float]]] = {}
+        self.guarded = 0  # rounds the guard turned plain
+        self._pending: tuple[int, int, str] | None = None  # this round's (sequences, prefill, kind)
+        self._guard_rounds: dict[int, int] = {}  # batch size -> rounds chosen at it
 
     def observe(self, confidence: tuple[float, ...], tree_tokens: int, accepted: int,
                 depths: tuple[int, ...] = (), drafted_depth: int = 0) -> None:
@@ -258,10 +277,33 @@ class TreeBudget:
             conf = (conf + (0.0,) * n)[:n]
             self.prior[d] = tuple(p + self.ema * (c - p) for p, c in zip(self.prior[d], conf))
 
-    def observe_round(self, tokens: int, levels: list[int] | int, seconds: float) -> None:
-        """A round's measured wall time (see `CostModel.observe`)."""
+    def observe_round(self, tokens: int, levels: list[int] | int, seconds: float,
+                      committed: int | None = None, catchup: float = 0.0) -> None:
+        """A round's measured wall time (see `CostModel.observe`); `committed`: the tokens it
+        emitted, for the measured guard (pure decode rounds only: a prefill chunk's cost and
+        its sequence's first token say nothing about decoding); `catchup`: seconds of it the
+        drafter spent consuming a backlog of pending pairs, which the cost model leaves out (a
+        round's cost, not a backlog's) and the guard keeps (speculating pays for it)."""
         if self.cost_rate > 0:
-            self.costs.observe(tokens, levels, seconds, self.cost_rate)
+            self.costs.observe(tokens, levels, seconds - catchup, self.cost_rate)
+        pending, self._pending = self._pending, None
+        if committed is None or pending is None or not seconds > 0:
+            return
+        n, prefill, kind = pending
+        if prefill or kind not in ("plain", "spec"):
+            return
+        entry = self.measured.setdefault(n, {}).setdefault(kind, [0.0, 0])
+        rate = committed / seconds
+        entry[0] = rate if not entry[1] else entry[0] + self.guard_ema * (rate - entry[0])
+        entry[1] += 1
+
+    def guard_says_plain(self, n: int) -> bool:
+        """Measured at this batch size: speculating rounds gave fewer tokens per second than
+        plain ones (both measured at least guard_min times)."""
+        m = self.measured.get(n, {})
+        plain, spec = m.get("plain"), m.get("spec")
+        return bool(self.guard_min and plain and spec and plain[1] >= self.guard_min
+                    and spec[1] >= self.guard_min and spec[0] < plain[0])
 
     def choose(self, confidences: list[tuple[float, ...]], caps: list[int], prefill_tokens: int = 0,
                depths: list[tuple[int, ...]] | None = None) -> list[int]:
@@ -279,16 +321,32 @@ class TreeBudget:
             sizes, deep, best_rate, plain = self._choose_shared(caps, prefill_tokens)
         self.rounds += 1
         self.last_modelled = (best_rate, plain)
-        if self.explore_every and any(x > 1 for x in sizes):
+        kind = "spec" if any(x > 1 for x in sizes) else "plain"
+        at_n = self._guard_rounds[n] = self._guard_rounds.get(n, 0) + 1
+        probe = False
+        if kind == "spec" and self.guard_min and prefill_tokens == 0:
+            if self.guard_says_plain(n):
+                if at_n % self.guard_probe:
+                    sizes, deep, kind = [1] * n, [0] * n, "plain"  # measured: speculation loses here
+                    self.guarded += 1
+                else:
+                    probe = True  # keep measuring what speculation gives here
+            elif self.explore_every and self.measured.get(n, {}).get("plain", (0.0, 0))[1] < self.guard_min \
+                    and at_n % 4 == 0:
+                sizes, deep, kind = [1] * n, [0] * n, "plain"  # plain's rate at this size, early
+                self.explored += 1
+        if self.explore_every and kind == "spec" and not probe:
             if self.rounds % self.explore_every == 0:
                 # measure plain now and then: its modelled cost is what speculation must beat
-                sizes, deep = [1] * n, [0] * n
+                sizes, deep, kind = [1] * n, [0] * n, "plain"
                 self.explored += 1
             elif self.max_depth and self.rounds % self.explore_every == self.explore_every // 2 \
                     and any(0 < d < self.max_depth for d in deep):
                 # and the full depth: the deeper levels' confidences are learnt from such rounds
                 deep = [min(self.max_depth, caps[s] - 1) if d else 0 for s, d in enumerate(deep)]
                 self.explored_depth += 1
+                kind = "explore"  # not the budget's choice: kept out of the measured guard
+        self._pending = (n, prefill_tokens, kind)
         self.last_choice = sizes
         self.last_depths = [d if d and self.max_depth else None for d in deep]
         return sizes

@@ -28,6 +28,9 @@ class Executor(Protocol):
     def release(self, seq_id: int) -> None:
         """Forget a finished sequence's engine-side state (e.g. pending draft features)."""
 
+    # optional: `catchup_seconds`, cumulative seconds of work a round did that its tree budget
+    # should not learn as the round's cost (the drafter consuming a backlog of pending pairs)
+
 
 class PromptTooLong(ValueError):
     pass
@@ -49,6 +52,7 @@ class EngineLoop:
         self.num_steps = 0
         self.last_step_time: float | None = None
         self._round_start: float | None = None
+        self._catchup_start = 0.0
         self.vocab_size = vocab_size
         self._ids = itertools.count()
         self._text: dict[int, SeqTextState] = {}
@@ -109,6 +113,7 @@ class EngineLoop:
     def plan(self) -> tuple[list[Sequence], list[SeqStep]]:
         """Schedule the next step (admission, block reservations, tree budgets)."""
         self._round_start = time.perf_counter()
+        self._catchup_start = getattr(self.executor, "catchup_seconds", 0.0)
         seqs = self.scheduler.schedule()
         return seqs, self.scheduler.steps(seqs)
 
@@ -165,8 +170,12 @@ class EngineLoop:
         outputs = [self._output(seq) for seq in seqs if seq.seq_id in sampled or seq.is_finished]
         budget = self.scheduler.budget
         if not failed and self._round_start is not None and hasattr(budget, "observe_round"):
-            # wall time of the whole round: plan, engine step (with its thread hop), outputs
-            budget.observe_round(forward_tokens, levels, time.perf_counter() - self._round_start)
+            # wall time of the whole round: plan, engine step (with its thread hop), outputs; a
+            # drafter's backlog catch-up is left out of what the cost model learns
+            seconds = time.perf_counter() - self._round_start
+            catchup = getattr(self.executor, "catchup_seconds", 0.0) - self._catchup_start
+            budget.observe_round(forward_tokens, levels, seconds, committed=sum(len(r.token_ids) for r in ok),
+                                 catchup=max(catchup, 0.0))
         self._round_start = None
         return outputs
 

@@ -299,7 +299,7 @@ def test_budget_stops_speculating_where_measured_rounds_show_it_does_not_pay(pro
 
 def test_budget_explores_plain_rounds_only_while_speculating():
     flat = CostModel([(1, 0.010), (64, 0.0105)], [(1, 0.001), (64, 0.002)])
-    b = TreeBudget(flat, 8, explore_every=8, cost_rate=0)
+    b = TreeBudget(flat, 8, explore_every=8, cost_rate=0, guard_min=0)  # the measured guard's own plain rounds: below
     sizes = [b.choose([CONF] * 2, [8] * 2) for _ in range(64)]
     plain = [i for i, s in enumerate(sizes) if s == [1, 1]]
     assert plain == list(range(7, 64, 8)) and b.explored == 8  # one round in 8, the rest the full tree
@@ -307,6 +307,45 @@ def test_budget_explores_plain_rounds_only_while_speculating():
     steep = CostModel([(1, 0.010), (2, 0.020), (64, 0.640)], [(1, 0.001)])
     b = TreeBudget(steep, 8, explore_every=8, cost_rate=0)
     assert all(b.choose([CONF], [8]) == [1] for _ in range(64)) and b.explored == 0  # never speculates to explore
+
+
+def test_measured_guard_stops_speculation_that_measures_slower_than_plain():
+    """The model says a tree pays (flat verify, cheap drafts) but the rounds say otherwise: after
+    guard_min pure decode rounds of each kind at a batch size, plain, with a speculating probe
+    every guard_probe rounds; a batch size whose speculation measures faster keeps it."""
+    flat = CostModel([(1, 0.010), (64, 0.0105)], [(1, 0.001), (64, 0.002)])
+
+    def run(spec_rate, plain_rate, n, rounds=400, prefill=0, b=None):
+        b = b or TreeBudget(flat, 8, explore_every=32, cost_rate=0, guard_min=8, guard_probe=16)
+        kinds = []
+        for _ in range(rounds):
+            sizes = b.choose([()] * n, [8] * n, prefill)
+            spec = any(x > 1 for x in sizes)
+            kinds.append(spec)
+            committed = n * (2 if spec else 1)
+            b.observe_round(sum(sizes) + prefill, [n] if spec else [], committed / (spec_rate if spec else plain_rate),
+                            committed=committed)
+        return b, kinds
+
+    b, kinds = run(spec_rate=800.0, plain_rate=1000.0, n=4)
+    assert b.measured[4]["plain"][1] >= 8 and b.measured[4]["spec"][1] >= 8
+    assert b.guard_says_plain(4) and b.guarded > 300
+    assert sum(kinds[-160:]) == 10  # then plain, but one speculating probe in 16 rounds
+    b, kinds = run(spec_rate=1200.0, plain_rate=1000.0, n=4)
+    assert not b.guard_says_plain(4) and b.guarded == 0
+    assert kinds[:32].count(False) == 8  # plain's rate measured early: one round in 4 until it has 8
+    assert kinds[-160:].count(False) == 5  # then only explore_every's one in 32
+    # the guard's verdict follows the measurements: speculation that turns faster comes back
+    b, _ = run(spec_rate=800.0, plain_rate=1000.0, n=4)
+    b, kinds = run(spec_rate=1500.0, plain_rate=1000.0, n=4, b=b)
+    assert not b.guard_says_plain(4) and sum(kinds[-100:]) >= 90
+    # rounds with prefill chunks measure nothing (their cost is not decoding's)
+    b, kinds = run(spec_rate=800.0, plain_rate=1000.0, n=4, prefill=32, rounds=100)
+    assert b.measured == {} and kinds.count(False) == 3  # explore_every's plain rounds only
+    # the guard is per batch size: measurements at 4 sequences say nothing about 2
+    b, _ = run(spec_rate=800.0, plain_rate=1000.0, n=4)
+    assert b.guard_says_plain(4) and not b.guard_says_plain(2)
+    assert any(x > 1 for x in b.choose([()] * 2, [8] * 2))
 
 
 def test_per_level_draft_cost_and_its_online_correction():
@@ -388,7 +427,7 @@ def test_shared_budget_picks_the_depth_and_size_that_pay():
 
 def test_shared_budget_explores_plain_and_full_depth_while_speculating():
     costs = CostModel([(1, 0.010), (64, 0.0105)], [(1, 0.005), (8, 0.013)], [(1, 0.0005), (8, 0.001)], depth=4)
-    b = TreeBudget(costs, 8, max_depth=4, explore_every=8, cost_rate=0, ema=1.0)
+    b = TreeBudget(costs, 8, max_depth=4, explore_every=8, cost_rate=0, ema=1.0, guard_min=0)  # guard: its own test
     b.observe((0.9, 0.8, 0.05), 4, 2, (1, 1, 2), drafted_depth=2)
     rounds = [(b.choose([()], [8]), b.last_depths[0]) for _ in range(32)]
     plain = [i for i, (sz, _) in enumerate(rounds) if sz == [1]]
@@ -453,19 +492,21 @@ def test_engine_loop_reports_each_round_to_the_budget(tiny_llama, head_dir):
     llm.budget.costs = CostModel([(1, 0.01), (64, 0.0101)])  # free drafts, flat verify: it speculates
     seen = []
     real = llm.budget.observe_round
-    llm.budget.observe_round = lambda t, n, s: (seen.append((t, n, s)), real(t, n, s))
+    llm.budget.observe_round = lambda t, n, s, **kw: (seen.append((t, n, s, kw)), real(t, n, s, **kw))
     before = llm.budget.costs.observed_rounds
     outs = llm.generate([[5, 6, 7, 8, 9], [10, 11, 12]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     assert seen[0][:2] == (8, [])  # both prompts prefilled in one forward, nothing drafted
     assert len(seen) == llm.loop.num_steps and llm.budget.costs.observed_rounds - before == len(seen)
     drafted = sum(o.spec.draft_tokens for o in outs)
     # every later round: one root per sequence still running plus the drafted nodes verified
-    assert sum(t for t, _, _ in seen[1:]) - drafted == sum(len(o.token_ids) for o in outs) - 2 - sum(
+    assert sum(t for t, _, _, _ in seen[1:]) - drafted == sum(len(o.token_ids) for o in outs) - 2 - sum(
         o.spec.accepted_tokens for o in outs)
-    assert all(s > 0 for _, _, s in seen)
+    assert all(s > 0 for _, _, s, _ in seen)
+    # and every token emitted, for the measured guard
+    assert sum(kw["committed"] for _, _, _, kw in seen) == sum(len(o.token_ids) for o in outs)
     # levels: sequences drafting each level, at most the 2 sequences, at most depth 3, nested
-    assert any(lv for _, lv, _ in seen)
-    assert all(len(lv) <= 3 and all(2 >= a >= b >= 1 for a, b in zip(lv, lv[1:] + [1])) for _, lv, _ in seen)
+    assert any(lv for _, lv, _, _ in seen)
+    assert all(len(lv) <= 3 and all(2 >= a >= b >= 1 for a, b in zip(lv, lv[1:] + [1])) for _, lv, _, _ in seen)
 
 
 def test_startup_profiler_runs_on_a_tiny_model(tiny_llama, head_dir):
@@ -531,6 +572,65 @@ def test_rounds_without_drafting_keep_the_head_in_sync(tiny_llama, head_dir, mon
     # leave up to 13 pending at the next drafting round
     assert sum(synced) > 0
     assert max(backlog) <= 5
+
+
+class ResumingBudget:
+    """Speculate in rounds 2 and `resume` only, recording what the loop reports."""
+
+    def __init__(self, resume):
+        self.rounds, self.resume, self.seen = 0, resume, []
+
+    def choose(self, confidences, caps, prefill_tokens=0, depths=None):
+        self.rounds += 1
+        return [4 if self.rounds in (2, self.resume) else 1 for _ in confidences]
+
+    def observe(self, *args):
+        pass
+
+    def observe_round(self, tokens, levels, seconds, committed=None, catchup=0.0):
+        self.seen.append((self.rounds, seconds, catchup))
+
+
+def test_head_catch_up_waits_for_the_next_draft_once_the_engine_stops_drafting(tiny_llama, head_dir, monkeypatch):
+    """Plain for a long stretch (the budget under load): the head's backlog is not consumed
+    round by round (sequences that finish plainly never pay for it) until MAX_BACKLOG; the
+    next drafting round consumes it in a forward of its own, timed apart, and the loop keeps
+    those seconds out of the cost the budget learns. Outputs stay exact."""
+    from engine.spec import eagle_drafter
+    monkeypatch.setattr(eagle_drafter, "SYNC_BACKLOG", 5)
+    monkeypatch.setattr(eagle_drafter, "IDLE_ROUNDS", 8)
+    monkeypatch.setattr(eagle_drafter, "MAX_BACKLOG", 1000)
+    prompt, params = [5, 6, 7, 8, 9, 10], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    ref = LLM(tiny_llama[0], **KW, kv_cache_tokens=4096).generate(prompt, params)[0].token_ids
+    llm = LLM(tiny_llama[0], **KW, kv_cache_tokens=4096, draft=head_dir, tree_budget=False,
+              spec=SpecConfig("eagle2", total_tokens=4, depth=3, top_k=2))
+    budget = llm.loop.scheduler.budget = ResumingBudget(resume=30)
+    drafter = llm.runner.drafter
+    pending = []
+    real_sync = drafter.sync
+
+    def sync(steps):
+        real_sync(steps)
+        pending.append(max(len(drafter.states[s.seq_id].tokens) for s in steps))
+    drafter.sync = sync
+    out = llm.generate(prompt, params)[0]
+    assert out.token_ids == ref
+    assert out.spec.verify_steps == 2
+    # rounds 3-5 still catch up at 5 pairs; from the 4th idle round on the backlog only grows
+    # pending pairs after each plain round: caught up at 5 while the engine drafted within 8
+    # rounds, then left to grow until the drafting round 30 (which catches up 22 + 1)
+    assert pending[:28] == [0, 1, 2, 3, 4] + list(range(0, 23))
+    assert pending[28:] == [1, 2, 3, 4, 0, 1, 2, 3, 4]  # drafted recently again: caught up at 5
+    assert drafter.catchup_seconds > 0
+    by_round = {r: (sec, cu) for r, sec, cu in budget.seen}
+    assert by_round[30][1] > 0 and by_round[30][1] < by_round[30][0]  # the resuming round's catch-up
+    assert all(cu == 0 for r, (_, cu) in by_round.items() if 8 < r < 30)  # the stretch without catch-ups
+    # with the default limit the same engine would have caught up every SYNC_BACKLOG pairs
+    monkeypatch.setattr(eagle_drafter, "IDLE_ROUNDS", 10 ** 6)
+    llm.loop.scheduler.budget = ResumingBudget(resume=30)
+    pending.clear()
+    assert llm.generate(prompt, params)[0].token_ids == ref
+    assert max(pending) <= 5
 
 
 def test_heap_trimmer_runs_on_its_interval_and_when_idle(monkeypatch):

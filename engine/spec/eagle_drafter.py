@@ -9,6 +9,7 @@ overwritten next round: the rollback costs nothing.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +26,9 @@ from engine.step_io import SeqStep
 
 MAX_CONFIDENCE = 64  # node confidences reported per round (the budget's largest tree)
 SYNC_BACKLOG = 128  # pending pairs at which a sequence that is not drafting catches up
+IDLE_ROUNDS = 64  # rounds without any draft after which catch-ups wait for the next draft
+MAX_BACKLOG = 1024  # pending pairs at which a sequence catches up regardless (bounds their memory)
+CATCHUP_SPLIT = 16  # a drafting sequence with more pending pairs consumes them in a forward of their own
 
 
 @dataclass
@@ -64,6 +68,8 @@ class EagleDrafter(Drafter):
         # static: child ranks under every rank path (() = the root); width = ranks the LM head must rank
         self._children = _static_children(spec.static_tree) if self.static else {}
         self.width = 1 + max(max(p) for p in spec.static_tree) if self.static else spec.top_k
+        self.idle_rounds = 0  # rounds since any sequence drafted
+        self.catchup_seconds = 0.0  # head forwards that consumed backlogs (see sync), cumulative
 
     def observe(self, step, tokens, features, reset):
         state = self.states.get(step.seq_id)
@@ -87,6 +93,10 @@ class EagleDrafter(Drafter):
                   if d >= 1 and self.states.get(s.seq_id) and self.states[s.seq_id].tokens]
         if not active:
             return trees
+        self.idle_rounds = 0
+        backlog = [steps[i] for i in active if len(self.states[steps[i].seq_id].tokens) > CATCHUP_SPLIT]
+        if backlog:  # a drafting round after a while without: the backlog's forward is timed apart
+            self._catch_up(backlog, keep=1)
         growths = self._first_depth([steps[i] for i in active], [max_depths[i] for i in active])
         for depth in range(2, max(g.max_depth for g in growths) + 1):
             todo = [j for j, g in enumerate(growths) if g.max_depth >= depth and g.frontier]
@@ -103,23 +113,51 @@ class EagleDrafter(Drafter):
     @torch.inference_mode()
     def sync(self, steps: list[SeqStep]) -> None:
         """Consume the pending pairs of sequences that do not draft this round once SYNC_BACKLOG
-        have piled up. Without it a sequence the tree budget leaves undrafted for a while piles up
-        pairs, and the round that drafts it again pays for the whole backlog at once (a
-        prefill-sized head forward); syncing every round instead costs a head forward per token
-        (~12% of a plain step at one sequence). The catch-up costs the same head FLOPs whenever it
-        happens, so it is put off: under load the budget rarely drafts, and a sequence that
-        finishes before its backlog reaches SYNC_BACKLOG never pays it. Pending pairs hold
-        copied feature rows (hidden size x dtype bytes each: 1.1 KB for the default model)."""
+        have piled up, while the engine drafts at all. Without it a sequence the tree budget
+        leaves undrafted for a while piles up pairs, and the round that drafts it again pays for
+        the whole backlog at once (a prefill-sized head forward); syncing every round instead
+        costs a head forward per token (~12% of a plain step at one sequence). The catch-up
+        costs the same head FLOPs whenever it happens, so it is put off: a sequence that
+        finishes before its backlog reaches SYNC_BACKLOG never pays it. When no sequence has
+        drafted for IDLE_ROUNDS rounds (the budget decodes plainly under load) the catch-ups
+        wait for the next draft, except past MAX_BACKLOG pairs: sequences that finish in the
+        meantime never pay for their prompts' pairs (2% of the rounds at 16 sequences, by
+        cProfile). Pending pairs hold copied feature rows (hidden size x dtype bytes each:
+        1.1 KB for the default model)."""
+        self.idle_rounds += 1
+        limit = MAX_BACKLOG if self.idle_rounds > IDLE_ROUNDS else SYNC_BACKLOG
         todo = [s for s in steps if self.states.get(s.seq_id) is not None
-                and len(self.states[s.seq_id].tokens) >= SYNC_BACKLOG]
-        if not todo:
-            return
-        states = [self.states[s.seq_id] for s in todo]
-        spans = [SeqSpan(st.tokens, st.draft_len, s.block_table) for s, st in zip(todo, states)]
-        self._head_forward(spans, torch.cat([f for st in states for f in st.features]))
-        for st in states:
-            st.draft_len += len(st.tokens)
-            st.tokens, st.features = [], []
+                and len(self.states[s.seq_id].tokens) >= limit]
+        if todo:
+            self._catch_up(todo, keep=0)
+
+    def _catch_up(self, steps: list[SeqStep], keep: int) -> None:
+        """Consume all but the last `keep` pending pairs of each sequence in one head forward,
+        its seconds added to `catchup_seconds` (the loop leaves them out of the round time the
+        tree budget's cost model learns: a backlog is not what a round costs)."""
+        t0 = time.perf_counter()
+        states = [self.states[s.seq_id] for s in steps]
+        spans = [SeqSpan(st.tokens[:len(st.tokens) - keep], st.draft_len, s.block_table) for s, st in zip(steps, states)]
+        feats = torch.cat([f for st in states for f in st.features])
+        if keep:
+            rows, tail, start = [], [], 0
+            for st in states:
+                end = start + len(st.tokens)
+                rows.extend(range(start, end - keep))
+                tail.extend(range(end - keep, end))
+                start = end
+            idx = torch.tensor(rows, device=feats.device)
+            self._head_forward(spans, feats.index_select(0, idx))
+            rest = feats.index_select(0, torch.tensor(tail, device=feats.device))
+        else:
+            self._head_forward(spans, feats)
+        for i, st in enumerate(states):
+            st.draft_len += len(st.tokens) - keep
+            st.tokens = st.tokens[len(st.tokens) - keep:] if keep else []
+            st.features = [rest[i * keep:(i + 1) * keep]] if keep else []
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.catchup_seconds += time.perf_counter() - t0
 
     def confidence(self, seq_id: int) -> tuple[tuple[float, ...], tuple[int, ...]]:
         return self._confidence.pop(seq_id, ((), ()))
