@@ -7,6 +7,8 @@ EAGLE-2 at EAGLE-2's standard tree (total_tokens 60, depth 6, top_k 10, fixed: n
 acceptance length = (accepted + verify steps) / verify steps, pooled over the prompts.
 
     .venv/bin/python bench/bench_head_curve.py --run /path/to/train-run
+    .venv/bin/python bench/bench_head_curve.py --run RUN1,RUN2,RUN3,RUN4   # stages trained with --init
+        # the previous one: training tokens count on from the earlier stages' cards
 Writes --out (bench/results/head_curve.json) and a .png next to it.
 """
 from __future__ import annotations
@@ -28,7 +30,8 @@ from server.llm import LLM  # noqa: E402
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--run", required=True, help="train-draft output directory")
+    ap.add_argument("--run", required=True, help="train-draft output directory, or several (comma-separated, "
+                                                 "in training order) for stages that continued each other")
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--tree", default="60x6x10")
@@ -37,22 +40,28 @@ def main(argv=None):
     args = ap.parse_args(argv)
     t, d, k = (int(x) for x in args.tree.split("x"))
     tok = bd.our_tokenizer()
-    qs, _ = bd.load_questions(bd.mtbench_wheel(None), 10)
+    qs, _ = bd.load_questions(bd.mtbench_wheel(None), max(10, args.prompts))
     prompts = [bd.make_prompt(tok, q)["ids"] for q in qs[:args.prompts]]
-    snaps = os.path.join(args.run, "snapshots")
-    heads = sorted((int(n.split("_")[1]), os.path.join(snaps, n)) for n in os.listdir(snaps)) if os.path.isdir(snaps) else []
-    with open(os.path.join(args.run, "card.json")) as f:
-        card = json.load(f)
-    heads.append((card["train_tokens_seen"], args.run))
+    heads, offset, card = [], 0, {}
+    for stage, run in enumerate(args.run.split(","), 1):
+        snaps = os.path.join(run, "snapshots")
+        found = sorted((int(n.split("_")[1]), os.path.join(snaps, n)) for n in os.listdir(snaps)) \
+            if os.path.isdir(snaps) else []
+        with open(os.path.join(run, "card.json")) as f:
+            card = json.load(f)
+        found = [(n, path) for n, path in found if n < card["train_tokens_seen"]]  # the final head ends the stage
+        found.append((card["train_tokens_seen"], run))
+        heads.extend((offset + n, path, stage) for n, path in found)
+        offset += card["train_tokens_seen"]
     params = SamplingParams(max_tokens=args.max_new, temperature=0)
     points = []
-    for tokens, path in heads:
+    for tokens, path, stage in heads:
         llm = LLM(None, dtype=args.dtype, draft=path, spec=SpecConfig("eagle2", total_tokens=t, depth=d, top_k=k),
                   tree_budget=False, kv_cache_tokens=8192)
         outs = llm.generate(prompts, params)
         steps = sum(o.spec.verify_steps for o in outs)
         acc = sum(o.spec.accepted_tokens for o in outs)
-        points.append({"train_tokens": tokens, "head": path, "acceptance_length": (acc + steps) / steps,
+        points.append({"train_tokens": tokens, "stage": stage, "head": path, "acceptance_length": (acc + steps) / steps,
                        "verify_steps": steps, "accepted_tokens": acc})
         print(f"{tokens:>10d} training tokens: acceptance length {(acc + steps) / steps:.3f}", flush=True)
         del llm
@@ -65,7 +74,13 @@ def main(argv=None):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         fig, ax = plt.subplots(figsize=(6, 4))
-        ax.plot([p["train_tokens"] / 1e6 for p in points], [p["acceptance_length"] for p in points], marker="o")
+        ax.plot([p["train_tokens"] / 1e6 for p in points], [p["acceptance_length"] for p in points], color="0.6")
+        for stage in sorted({p["stage"] for p in points}):
+            ps = [p for p in points if p["stage"] == stage]
+            ax.plot([p["train_tokens"] / 1e6 for p in ps], [p["acceptance_length"] for p in ps], "o",
+                    label=f"stage {stage}")
+        if len({p["stage"] for p in points}) > 1:
+            ax.legend(fontsize=8)
         ax.set_xlabel("training tokens seen (millions; epochs included)")
         ax.set_ylabel(f"acceptance length (tree {args.tree})")
         ax.set_title(f"SmolLM2-135M head, {len(prompts)} MT-bench prompts, greedy, {args.max_new} tokens")

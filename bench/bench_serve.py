@@ -299,13 +299,19 @@ def main(argv=None):
               # the tree budget's cost model after the sweep's online corrections
               "cost_model_on_end": engines["on"].budget.costs.to_json(),
               "budget_rounds": {"observed": engines["on"].budget.costs.observed_rounds,
-                                "chosen": engines["on"].budget.rounds, "explored_plain": engines["on"].budget.explored},
+                                "chosen": engines["on"].budget.rounds, "speculating": engines["on"].budget.spec_rounds,
+                                "explored_plain": engines["on"].budget.explored,
+                                "guarded_plain": engines["on"].budget.guarded},
+              # the measured guard: per batch size, pure decode rounds' tokens/s (running average, rounds)
+              "guard_measured": {str(n): m for n, m in sorted(engines["on"].budget.measured.items())},
               "source_digest": source, "source_changed": source != bd.source_digest(), "git_head": bd.git_head()}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     png = os.path.splitext(args.out)[0] + ".png"
     print("cost model at the end (on):", json.dumps(result["cost_model_on_end"]))
+    print("budget rounds (on):", json.dumps(result["budget_rounds"]))
+    print("measured guard (on):", json.dumps(result["guard_measured"]))
     print("wrote", args.out, png if plot(png, summary) else "")
 
 

@@ -250,6 +250,7 @@ class TreeBudget:
         # batch size -> {"plain" | "spec": [tokens per second (running average), rounds]}
         self.measured: dict[int, dict[str, list[float]]] = {}
         self.guarded = 0  # rounds the guard turned plain
+        self.spec_rounds = 0  # rounds that drafted (the choice, its probes and explorations)
         self._pending: tuple[int, int, str] | None = None  # this round's (sequences, prefill, kind)
         self._guard_rounds: dict[int, int] = {}  # batch size -> rounds chosen at it
 
@@ -347,6 +348,8 @@ class TreeBudget:
                 self.explored_depth += 1
                 kind = "explore"  # not the budget's choice: kept out of the measured guard
         self._pending = (n, prefill_tokens, kind)
+        if kind != "plain":
+            self.spec_rounds += 1
         self.last_choice = sizes
         self.last_depths = [d if d and self.max_depth else None for d in deep]
         return sizes
