@@ -23,6 +23,10 @@ every step so a crash or a timeout still leaves the steps done so far. Sections:
                 fixed tree, batch 1 and a larger batch, CUDA graphs on and off
   verify_curve  (d) seconds of one verify forward (+ LM head) by tree tokens per sequence
                 (1..256), batch 1 and 8, graphs on and off: where verification stops being free
+  draft_cost    the tree budget's start-up profile (engine.profile.profile_costs) with a random
+                EAGLE-2 head at the default tree (SpecConfig("eagle2"): 24 tokens, depth 5, top-k
+                4): a drafting round at full depth and at depth 1 by drafting sequences, against
+                verify by tokens
 
 Every step runs under its own time limit (a share of --time-budget) and inside try/except: a
 failure is recorded in its section ("status": "failed", "error") and the script goes on.
@@ -75,7 +79,8 @@ ATTENTION = [None]  # --attention, for every engine built here
 # shares of --time-budget per step (per model for throughput / verify_curve)
 SHARES = {"correctness": 0.13, "backends": 0.07, "kv_sizing": 0.07,
           "throughput": {"smollm2-135m": 0.14, "llama3-8b": 0.27, "tiny": 0.2},
-          "verify_curve": {"smollm2-135m": 0.09, "llama3-8b": 0.19, "tiny": 0.1}}
+          "verify_curve": {"smollm2-135m": 0.09, "llama3-8b": 0.19, "tiny": 0.1},
+          "draft_cost": {"smollm2-135m": 0.06, "llama3-8b": 0.1, "tiny": 0.1}}
 
 
 # ---------------------------------------------------------------- models
@@ -585,6 +590,34 @@ def step_throughput(args, runner: ModelRunner, name: str, seq: Seq, deadline) ->
     return out
 
 
+def step_draft_cost(args, runner: ModelRunner, name: str, deadline) -> dict:
+    """What the tree budget would measure at start-up on this device: the profile with a random
+    EAGLE-2 head (drafting runs eager; the verify forward replays graphs where they fit)."""
+    from engine.profile import profile_costs
+    from engine.spec.eagle_drafter import EagleDrafter
+    cfg = runner.loaded.config
+    dtype = getattr(torch, args.dtype)
+    spec = SpecConfig("eagle2")
+    head = random_eagle_head(cfg, dtype, runner.device)
+    use(runner, EagleDrafter(head, runner.model, spec, runner.num_blocks, BLOCK, dtype, runner.device), spec)
+    try:
+        t0 = time.perf_counter()
+        prof = profile_costs(runner, max_tokens=64, max_seqs=max(args.verify_batches + args.batches),
+                             context=args.context, repeats=args.repeats)
+    finally:
+        use(runner, NoDrafter(), SpecConfig("none"))
+        del head
+    ms = lambda pts: {int(n): round(t * 1e3, 3) for n, t in pts}  # noqa: E731
+    out = {"status": "ok", "spec": {"total_tokens": spec.tree_tokens, "depth": spec.max_depth, "top_k": spec.top_k},
+           "context": args.context, "verify_ms": ms(prof["verify"]), "draft_full_depth_ms": ms(prof["draft"]),
+           "draft_depth1_ms": ms(prof.get("draft_first", [])), "depth": prof.get("depth"),
+           "seconds": round(time.perf_counter() - t0, 2)}
+    for n in sorted(out["draft_full_depth_ms"]):
+        print(f"  {name} draft {n:3d} seqs: depth 1 {out['draft_depth1_ms'].get(n, float('nan')):8.3f} ms, "
+              f"depth {out['depth']} {out['draft_full_depth_ms'][n]:8.3f} ms", flush=True)
+    return out
+
+
 def graphs_available(runner: ModelRunner) -> bool:
     return runner.device.type == "cuda" and runner.config.cuda_graphs
 
@@ -877,10 +910,10 @@ def main(argv=None) -> int:
         report.run([section], share(section), fn, args)
 
     seq = Seq()
-    for section in ("throughput", "verify_curve"):
+    for section in ("throughput", "verify_curve", "draft_cost"):
         report.data.setdefault(section, {"models": {}})
     for name in args.models:
-        if {"throughput", "verify_curve"} <= args.skip:
+        if {"throughput", "verify_curve", "draft_cost"} <= args.skip:
             break
         cfg = model_config(name, 2048)
         max_seqs = max(args.batches + args.verify_batches)
@@ -900,7 +933,8 @@ def main(argv=None) -> int:
                         ("vocab", "hidden", "intermediate", "layers", "heads", "kv_heads", "rope_theta", "tied"),
                         SHAPES[name]))}
         entry = report.run(["models", name], 120, build)
-        for section, fn in (("throughput", step_throughput), ("verify_curve", step_verify_curve)):
+        for section, fn in (("throughput", step_throughput), ("verify_curve", step_verify_curve),
+                            ("draft_cost", step_draft_cost)):
             if section in args.skip:
                 report.data[section]["models"][name] = {"status": "skipped", "reason": "--skip"}
             elif "runner" not in holder:
@@ -912,7 +946,7 @@ def main(argv=None) -> int:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    for section in ("throughput", "verify_curve"):
+    for section in ("throughput", "verify_curve", "draft_cost"):
         states = [m.get("status") for m in report.data[section]["models"].values()]
         report.data[section]["status"] = ("ok" if states and all(s == "ok" for s in states) else
                                           "skipped" if states and all(s == "skipped" for s in states) else
@@ -921,7 +955,7 @@ def main(argv=None) -> int:
     report.data["total_s"] = round(time.perf_counter() - t_start, 1)
     report.write()
     summary = {k: report.data[k].get("status") for k in ("correctness", "backends", "kv_sizing", "throughput",
-                                                         "verify_curve")}
+                                                         "verify_curve", "draft_cost")}
     print(json.dumps({"summary": summary, "total_s": report.data["total_s"], "chart": report.data["chart"],
                       "json": report.path}), flush=True)
     return 0 if all(s in ("ok", "skipped") for s in summary.values()) else 1
