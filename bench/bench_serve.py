@@ -119,6 +119,7 @@ class InProc:
 class Http:
     def __init__(self, llm):
         self.llm = llm
+        self.reconnects = 0
 
     async def start(self):
         import openai
@@ -132,7 +133,15 @@ class Http:
         await asyncio.to_thread(self.background.stop)
 
     async def request(self, ids, max_new):
-        return await stream_completion(self.client, "m", ids, max_new)
+        import openai
+        try:
+            return await stream_completion(self.client, "m", ids, max_new)
+        except openai.APIConnectionError:
+            # a pooled keep-alive connection the server closed while idle (uvicorn's keep-alive
+            # timeout, 5 s, is shorter than the other engine's run): the request never reached
+            # the server; send it again once, on a new connection, and count it
+            self.reconnects += 1
+            return await stream_completion(self.client, "m", ids, max_new)
 
 
 async def stream_completion(client, model: str, ids, max_new: int):
@@ -195,7 +204,8 @@ async def sweep(args, engines: dict, prompts) -> list[dict]:
                     order = list(transports) if rep % 2 == 0 else list(reversed(transports))
                     for name in order:
                         r = await run_load(transports[name], prompts, conc, n_req, args.max_new, offset=rep * 7)
-                        r.update(transport=transport_name, engine=name, concurrency=conc, rep=rep)
+                        r.update(transport=transport_name, engine=name, concurrency=conc, rep=rep,
+                                 reconnects_so_far=getattr(transports[name], "reconnects", 0))
                         rows.append(r)
                         print(f"{transport_name} c={conc} rep={rep} {name}: {r['tok_s']:.1f} tok/s, "
                               f"ttft p50 {r['ttft_p50']:.3f}s, itl p50 {r['itl_p50'] or 0:.4f}s", flush=True)
@@ -302,6 +312,7 @@ def main(argv=None):
                                 "chosen": engines["on"].budget.rounds, "speculating": engines["on"].budget.spec_rounds,
                                 "explored_plain": engines["on"].budget.explored,
                                 "guarded_plain": engines["on"].budget.guarded},
+              "head_catchup_seconds": {name: e.runner.catchup_seconds for name, e in engines.items()},
               # the measured guard: per batch size, pure decode rounds' tokens/s (running average, rounds)
               "guard_measured": {str(n): m for n, m in sorted(engines["on"].budget.measured.items())},
               "source_digest": source, "source_changed": source != bd.source_digest(), "git_head": bd.git_head()}
@@ -311,6 +322,7 @@ def main(argv=None):
     png = os.path.splitext(args.out)[0] + ".png"
     print("cost model at the end (on):", json.dumps(result["cost_model_on_end"]))
     print("budget rounds (on):", json.dumps(result["budget_rounds"]))
+    print("head catch-up seconds:", json.dumps(result["head_catchup_seconds"]))
     print("measured guard (on):", json.dumps(result["guard_measured"]))
     print("wrote", args.out, png if plot(png, summary) else "")
 

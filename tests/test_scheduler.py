@@ -220,7 +220,7 @@ def test_budget_depends_on_batch_size_and_never_models_below_plain():
         pts = sorted({(1, rng.uniform(0.001, 0.02))} | {(rng.randrange(2, 600), rng.uniform(0.001, 0.5)) for _ in range(4)})
         pts = [(x, y) for x, y in pts]
         costs = CostModel(pts, [(1, rng.uniform(0, 0.01)), (64, rng.uniform(0.01, 0.1))])
-        b = TreeBudget(costs, 32)
+        b = TreeBudget(costs, 32, spec_with_prefill=True)  # the model's choice in prefill rounds too
         n = rng.randrange(1, 40)
         confs = [tuple(sorted((rng.random() for _ in range(31)), reverse=True)) for _ in range(n)]
         b.choose(confs, [rng.randrange(1, 9) for _ in range(n)], prefill_tokens=rng.randrange(0, 100))
@@ -315,8 +315,8 @@ def test_measured_guard_stops_speculation_that_measures_slower_than_plain():
     every guard_probe rounds; a batch size whose speculation measures faster keeps it."""
     flat = CostModel([(1, 0.010), (64, 0.0105)], [(1, 0.001), (64, 0.002)])
 
-    def run(spec_rate, plain_rate, n, rounds=400, prefill=0, b=None):
-        b = b or TreeBudget(flat, 8, explore_every=32, cost_rate=0, guard_min=8, guard_probe=16)
+    def run(spec_rate, plain_rate, n, rounds=400, prefill=0, b=None, **kw):
+        b = b or TreeBudget(flat, 8, explore_every=32, cost_rate=0, guard_min=8, guard_probe=16, **kw)
         kinds = []
         for _ in range(rounds):
             sizes = b.choose([()] * n, [8] * n, prefill)
@@ -339,12 +339,17 @@ def test_measured_guard_stops_speculation_that_measures_slower_than_plain():
     b, _ = run(spec_rate=800.0, plain_rate=1000.0, n=4)
     b, kinds = run(spec_rate=1500.0, plain_rate=1000.0, n=4, b=b)
     assert not b.guard_says_plain(4) and sum(kinds[-100:]) >= 90
-    # rounds with prefill chunks measure nothing (their cost is not decoding's)
+    # rounds with a prefill chunk decode plainly; allowed to speculate, they measure nothing
+    # (their cost is not decoding's)
     b, kinds = run(spec_rate=800.0, plain_rate=1000.0, n=4, prefill=32, rounds=100)
+    assert b.measured == {} and not any(kinds)
+    b, kinds = run(spec_rate=800.0, plain_rate=1000.0, n=4, prefill=32, rounds=100, spec_with_prefill=True)
     assert b.measured == {} and kinds.count(False) == 3  # explore_every's plain rounds only
     # the guard is per batch size: measurements at 4 sequences say nothing about 2
-    b, _ = run(spec_rate=800.0, plain_rate=1000.0, n=4)
+    b, _ = run(spec_rate=800.0, plain_rate=1000.0, n=4, spec_with_prefill=True)
     assert b.guard_says_plain(4) and not b.guard_says_plain(2)
+    # what pure decode rounds measured holds for rounds with a prefill chunk too
+    assert sum(any(x > 1 for x in b.choose([()] * 4, [8] * 4, 32)) for _ in range(160)) == 10
     assert any(x > 1 for x in b.choose([()] * 2, [8] * 2))
 
 
