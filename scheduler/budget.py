@@ -35,9 +35,10 @@ The model can still be wrong (its cost curves are learnt from noisy rounds, the 
 an average), so a measured guard sits on top: per batch size, running averages of the tokens
 per second that pure decode rounds actually gave, plain and speculating. Where the budget would
 speculate but its speculating rounds measured slower than its plain rounds, it decodes plainly
-(prefill rounds included) and probes speculation every `guard_probe` rounds; plain rounds are explored more often until
-each batch size has `guard_min` of them (`bench/bench_serve.py --engines on,off,on-plain`: the
-model speculated at 4 clients where it lost 5%).
+(prefill rounds included) and probes speculation every `guard_probe` rounds; a batch size
+without a verdict of its own takes the largest smaller one's plain verdict. Plain rounds are
+explored more often until each batch size has `guard_min` of them (`bench/bench_serve.py
+--engines on,off,on-plain`: the model speculated at 4 clients where it lost 5%).
 """
 from __future__ import annotations
 
@@ -301,13 +302,28 @@ class TreeBudget:
         entry[0] = rate if not entry[1] else entry[0] + self.guard_ema * (rate - entry[0])
         entry[1] += 1
 
-    def guard_says_plain(self, n: int) -> bool:
-        """Measured at this batch size: speculating rounds gave fewer tokens per second than
-        plain ones (both measured at least guard_min times)."""
+    def guard_verdict(self, n: int) -> bool | None:
+        """This batch size's own measurement: True where speculating rounds gave fewer tokens
+        per second than plain ones, False where more, None before guard_min of each."""
         m = self.measured.get(n, {})
         plain, spec = m.get("plain"), m.get("spec")
-        return bool(self.guard_min and plain and spec and plain[1] >= self.guard_min
-                    and spec[1] >= self.guard_min and spec[0] < plain[0])
+        if not (self.guard_min and plain and spec and plain[1] >= self.guard_min and spec[1] >= self.guard_min):
+            return None
+        return spec[0] < plain[0]
+
+    def guard_says_plain(self, n: int) -> bool:
+        """Speculation measured slower than plain decoding at this batch size; before it has a
+        measurement of its own, the verdict of the largest smaller batch size that has one
+        where that verdict is plain (speculation gains less as the batch grows: a batch size
+        never learns from scratch what a smaller one has shown)."""
+        own = self.guard_verdict(n)
+        if own is not None:
+            return own
+        for m in sorted((k for k in self.measured if k < n), reverse=True):
+            verdict = self.guard_verdict(m)
+            if verdict is not None:
+                return verdict
+        return False
 
     def choose(self, confidences: list[tuple[float, ...]], caps: list[int], prefill_tokens: int = 0,
                depths: list[tuple[int, ...]] | None = None) -> list[int]:

@@ -348,6 +348,14 @@ def test_measured_guard_stops_speculation_that_measures_slower_than_plain():
     # the guard is per batch size: measurements at 4 sequences say nothing about 2
     b, _ = run(spec_rate=800.0, plain_rate=1000.0, n=4, spec_with_prefill=True)
     assert b.guard_says_plain(4) and not b.guard_says_plain(2)
+    # a larger batch size without a measurement of its own takes the plain verdict of the
+    # largest smaller one that has one; its own measurement, once there, decides
+    assert b.guard_says_plain(8) and b.guard_verdict(8) is None
+    assert all(x == 1 for x in b.choose([()] * 8, [8] * 8))
+    b, _ = run(spec_rate=1500.0, plain_rate=1000.0, n=6, b=b)
+    assert b.guard_verdict(6) is False and not b.guard_says_plain(8)  # 6 is the nearest now
+    b, _ = run(spec_rate=800.0, plain_rate=1000.0, n=8, b=b)
+    assert b.guard_verdict(8) is True and not b.guard_says_plain(7)
     # what pure decode rounds measured holds for rounds with a prefill chunk too
     assert sum(any(x > 1 for x in b.choose([()] * 4, [8] * 4, 32)) for _ in range(160)) == 10
     assert any(x > 1 for x in b.choose([()] * 2, [8] * 2))
