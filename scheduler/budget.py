@@ -348,8 +348,11 @@ class TreeBudget:
         probe = False
         if kind == "spec" and self.guard_min:
             if self.guard_says_plain(n):  # measured on pure decode rounds, applied to all at this size
-                if at_n % self.guard_probe:
-                    sizes, deep, kind = [1] * n, [0] * n, "plain"  # measured: speculation loses here
+                if at_n % self.guard_probe or self.guard_verdict(n) is None:
+                    # measured: speculation loses here (or at a smaller batch size, which is not
+                    # probed from here: a probe drafts every sequence, and after a while of plain
+                    # rounds each one's backlog of head pairs, ~1 s at 32 sequences)
+                    sizes, deep, kind = [1] * n, [0] * n, "plain"
                     self.guarded += 1
                 else:
                     probe = True  # keep measuring what speculation gives here
