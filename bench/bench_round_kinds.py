@@ -10,6 +10,7 @@ prefill chunk shared the round; "none" when no sequence decoded): rounds, second
 emitted, tokens per second; plus the head's catch-up seconds.
 
     .venv/bin/python bench/bench_round_kinds.py --concurrency 4 --reps 4
+    .venv/bin/python bench/bench_round_kinds.py --spec-with-prefill --out bench/results/round_kinds_prefill.json
 Writes --out (bench/results/round_kinds.json).
 """
 from __future__ import annotations
@@ -55,6 +56,8 @@ def main(argv=None):
     ap.add_argument("--min-requests", type=int, default=16)
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--spec-with-prefill", action="store_true",
+                    help="let the 'on' budget speculate in rounds that carry a prefill chunk (off by default)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "round_kinds.json"))
     args = ap.parse_args(argv)
     prompts = bs.load_prompts(args.prompts)
@@ -62,6 +65,7 @@ def main(argv=None):
     engines = {"on": LLM(None, draft=default_draft_path(), spec=SpecConfig("eagle2"), **common),
                "on-plain": LLM(None, draft=default_draft_path(), spec=SpecConfig("eagle2"), **common)}
     engines["on-plain"].budget.min_gain = float("inf")
+    engines["on"].budget.spec_with_prefill = args.spec_with_prefill
     stats = {name: instrument(llm) for name, llm in engines.items()}
     load = argparse.Namespace(concurrency=str(args.concurrency), reps=args.reps, min_requests=args.min_requests,
                               max_new=args.max_new, transports="inproc")
