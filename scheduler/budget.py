@@ -222,8 +222,8 @@ class TreeBudget:
         needs before the measured guard overrides the model (0: no guard); guard_probe: while
         the guard holds speculation off, speculate every this many rounds to keep measuring it;
         guard_ema: the running averages' step; spec_with_prefill: speculate in rounds that also
-        carry a prefill chunk (off: such rounds decode plainly; at 4 clients they took 81 ms
-        with trees against 37 ms without, for 1.3 more tokens)."""
+        carry a prefill chunk (off: such rounds decode plainly; at 4 clients they took 120 ms
+        with trees against 37 ms without, for 1.4 more tokens: bench/bench_round_kinds.py)."""
         self.costs = costs
         self.min_gain = min_gain
         self.research_every = research_every
