@@ -27,9 +27,6 @@ sys.path.insert(0, HERE)
 import bench_decode as bd  # noqa: E402
 import bench_serve as bs  # noqa: E402
 
-from engine.default_model import default_draft_path  # noqa: E402
-from engine.spec.config import SpecConfig  # noqa: E402
-from server.llm import LLM  # noqa: E402
 
 
 def instrument(llm) -> dict:
@@ -61,10 +58,7 @@ def main(argv=None):
     ap.add_argument("--out", default=os.path.join(HERE, "results", "round_kinds.json"))
     args = ap.parse_args(argv)
     prompts = bs.load_prompts(args.prompts)
-    common = dict(dtype="bfloat16", kv_cache_tokens=65536)
-    engines = {"on": LLM(None, draft=default_draft_path(), spec=SpecConfig("eagle2"), **common),
-               "on-plain": LLM(None, draft=default_draft_path(), spec=SpecConfig("eagle2"), **common)}
-    engines["on-plain"].budget.min_gain = float("inf")
+    engines = {name: bs.build_engine(name) for name in ("on", "on-plain")}
     engines["on"].budget.spec_with_prefill = args.spec_with_prefill
     stats = {name: instrument(llm) for name, llm in engines.items()}
     load = argparse.Namespace(concurrency=str(args.concurrency), reps=args.reps, min_requests=args.min_requests,

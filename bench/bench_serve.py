@@ -215,28 +215,30 @@ async def sweep(args, engines: dict, prompts) -> list[dict]:
     return rows
 
 
+def rep_ratios(rows, engine: str, against: str) -> list[float]:
+    """tok/s of `engine` over `against`, one ratio per repetition both ran (rows of one point)."""
+    ratios = []
+    for rep in sorted({r["rep"] for r in rows}):
+        a = [r for r in rows if r["rep"] == rep and r["engine"] == engine]
+        b = [r for r in rows if r["rep"] == rep and r["engine"] == against]
+        if a and b:
+            ratios.append(a[0]["tok_s"] / b[0]["tok_s"])
+    return ratios
+
+
 def summarize(rows):
     out = {}
     for tr in dict.fromkeys(r["transport"] for r in rows):
         out[tr] = {}
         for c in sorted({r["concurrency"] for r in rows if r["transport"] == tr}):
             rs = [r for r in rows if r["transport"] == tr and r["concurrency"] == c]
-            reps = sorted({r["rep"] for r in rs})
-            ratios = []
-            for rep in reps:
-                on = [r for r in rs if r["rep"] == rep and r["engine"] == "on"]
-                off = [r for r in rs if r["rep"] == rep and r["engine"] == "off"]
-                if on and off:
-                    ratios.append(on[0]["tok_s"] / off[0]["tok_s"])
+            ratios = rep_ratios(rs, "on", "off")
             entry = {"on_off_ratio_median": statistics.median(ratios) if ratios else None, "ratios": ratios}
             engines = list(dict.fromkeys(r["engine"] for r in rs))
             for eng in engines:
-                if eng in ("on", "off"):
-                    continue
-                rr = [x[0]["tok_s"] / y[0]["tok_s"] for rep in reps
-                      for x, y in [([r for r in rs if r["rep"] == rep and r["engine"] == eng],
-                                    [r for r in rs if r["rep"] == rep and r["engine"] == "off"])] if x and y]
-                entry[f"{eng}_off_ratio_median"] = statistics.median(rr) if rr else None
+                if eng not in ("on", "off"):
+                    rr = rep_ratios(rs, eng, "off")
+                    entry[f"{eng}_off_ratio_median"] = statistics.median(rr) if rr else None
             for eng in engines:
                 es = [r for r in rs if r["engine"] == eng]
                 entry[eng] = {k: statistics.median([r[k] for r in es if r[k] is not None] or [0])
@@ -272,23 +274,28 @@ def plot(path, summary) -> bool:
     return True
 
 
+def build_engine(kind: str, draft: str | None = None, dtype: str = "bfloat16", kv_cache_tokens: int = 65536) -> LLM:
+    """The default model as these benchmarks compare it: "on" (the head at `draft`, default the
+    shipped one, EAGLE-2 with the tree budget), "off" (--spec none), "on-plain" ("on" whose
+    budget never speculates: the head loaded and kept in step, nothing drafted)."""
+    common = dict(dtype=dtype, kv_cache_tokens=kv_cache_tokens)
+    if kind == "off":
+        return LLM(None, spec=SpecConfig("none"), **common)
+    if kind not in ("on", "on-plain"):
+        raise SystemExit(f"unknown engine {kind!r} (on, off, on-plain)")
+    llm = LLM(None, draft=draft or default_draft_path(), spec=SpecConfig("eagle2"), **common)
+    if kind == "on-plain":
+        llm.budget.min_gain = float("inf")  # models no tree as a gain: always plain
+    return llm
+
+
 def main(argv=None):
     args = parse_args(argv)
     draft = args.draft or default_draft_path()
     if draft is None:
         raise SystemExit("no draft head: pass --draft DIR")
     prompts = load_prompts(args.prompts)
-    common = dict(dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens)
-    engines = {}
-    for name in args.engines.split(","):
-        if name in ("on", "on-plain"):
-            engines[name] = LLM(None, draft=draft, spec=SpecConfig("eagle2"), **common)
-            if name == "on-plain":
-                engines[name].budget.min_gain = float("inf")  # models no tree as a gain: always plain
-        elif name == "off":
-            engines[name] = LLM(None, spec=SpecConfig("none"), **common)
-        else:
-            raise SystemExit(f"--engines: unknown engine {name!r} (on, off, on-plain)")
+    engines = {name: build_engine(name, draft, args.dtype, args.kv_cache_tokens) for name in args.engines.split(",")}
     if not {"on", "off"} <= set(engines):
         raise SystemExit("--engines must include on and off")
     print("cost profile (on):", json.dumps(engines["on"].cost_profile))

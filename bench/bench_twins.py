@@ -24,14 +24,11 @@ sys.path.insert(0, HERE)
 import bench_decode as bd  # noqa: E402
 import bench_serve as bs  # noqa: E402
 
-from engine.default_model import default_draft_path  # noqa: E402
-from engine.spec.config import SpecConfig  # noqa: E402
-from server.llm import LLM  # noqa: E402
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--kind", default="off", help="off (--spec none) or on (shipped head, tree budget)")
+    ap.add_argument("--kind", default="off", help="off (--spec none), on (shipped head, tree budget) or on-plain")
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--reps", type=int, default=6)
     ap.add_argument("--min-requests", type=int, default=16)
@@ -39,22 +36,12 @@ def main(argv=None):
     ap.add_argument("--out", default=os.path.join(HERE, "results", "twins.json"))
     args = ap.parse_args(argv)
     prompts = bs.load_prompts(32)
-    common = dict(dtype="bfloat16", kv_cache_tokens=65536)
-
-    def build():
-        if args.kind == "on":
-            return LLM(None, draft=default_draft_path(), spec=SpecConfig("eagle2"), **common)
-        return LLM(None, spec=SpecConfig("none"), **common)
-    engines = {"first": build()}
-    engines["second"] = build()
+    engines = {"first": bs.build_engine(args.kind)}
+    engines["second"] = bs.build_engine(args.kind)
     load = argparse.Namespace(concurrency=str(args.concurrency), reps=args.reps, min_requests=args.min_requests,
                               max_new=args.max_new, transports="inproc")
     rows = asyncio.run(bs.sweep(load, engines, prompts))
-    ratios = []
-    for rep in range(args.reps):
-        first = next(r["tok_s"] for r in rows if r["rep"] == rep and r["engine"] == "first")
-        second = next(r["tok_s"] for r in rows if r["rep"] == rep and r["engine"] == "second")
-        ratios.append(first / second)
+    ratios = bs.rep_ratios(rows, "first", "second")
     print("first / second per repetition:", ", ".join(f"{r:.3f}" for r in ratios))
     print(f"median {statistics.median(ratios):.3f}")
     bd.write_result(args.out, {"config": vars(args), "rows": rows, "first_over_second": ratios,

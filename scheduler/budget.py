@@ -36,9 +36,11 @@ an average), so a measured guard sits on top: per batch size, running averages o
 per second that pure decode rounds actually gave, plain and speculating. Where the budget would
 speculate but its speculating rounds measured slower than its plain rounds, it decodes plainly
 (prefill rounds included) and probes speculation every `guard_probe` rounds; a batch size
-without a verdict of its own takes the largest smaller one's plain verdict. Plain rounds are
-explored more often until each batch size has `guard_min` of them (`bench/bench_serve.py
---engines on,off,on-plain`: the model speculated at 4 clients where it lost 5%).
+without a verdict of its own takes the largest smaller one's, unprobed. Plain rounds are
+explored more often until each batch size has `guard_min` of them. Rounds that carry a prefill
+chunk decode plainly. `bench/bench_round_kinds.py` shows why, at 4 clients: speculating decode
+rounds 194 tok/s against 281 plain, prefill rounds with trees 120 ms against 37 without
+(`--spec-with-prefill`).
 """
 from __future__ import annotations
 
@@ -311,19 +313,22 @@ class TreeBudget:
             return None
         return spec[0] < plain[0]
 
-    def guard_says_plain(self, n: int) -> bool:
-        """Speculation measured slower than plain decoding at this batch size; before it has a
-        measurement of its own, the verdict of the largest smaller batch size that has one
-        where that verdict is plain (speculation gains less as the batch grows: a batch size
-        never learns from scratch what a smaller one has shown)."""
+    def _guard(self, n: int) -> tuple[bool, bool]:
+        """(plain, inherited): speculation measured slower than plain decoding at this batch
+        size; before it has a measurement of its own, the verdict of the largest smaller batch
+        size that has one (speculation gains less as the batch grows: a batch size never
+        learns from scratch what a smaller one has shown), inherited = True."""
         own = self.guard_verdict(n)
         if own is not None:
-            return own
+            return own, False
         for m in sorted((k for k in self.measured if k < n), reverse=True):
             verdict = self.guard_verdict(m)
             if verdict is not None:
-                return verdict
-        return False
+                return verdict, True
+        return False, True
+
+    def guard_says_plain(self, n: int) -> bool:
+        return self._guard(n)[0]
 
     def choose(self, confidences: list[tuple[float, ...]], caps: list[int], prefill_tokens: int = 0,
                depths: list[tuple[int, ...]] | None = None) -> list[int]:
@@ -347,8 +352,9 @@ class TreeBudget:
         at_n = self._guard_rounds[n] = self._guard_rounds.get(n, 0) + 1
         probe = False
         if kind == "spec" and self.guard_min:
-            if self.guard_says_plain(n):  # measured on pure decode rounds, applied to all at this size
-                if at_n % self.guard_probe or self.guard_verdict(n) is None:
+            plain_wins, inherited = self._guard(n)  # measured on pure decode rounds, applied to all at this size
+            if plain_wins:
+                if at_n % self.guard_probe or inherited:
                     # measured: speculation loses here (or at a smaller batch size, which is not
                     # probed from here: a probe drafts every sequence, and after a while of plain
                     # rounds each one's backlog of head pairs, ~1 s at 32 sequences)

@@ -137,24 +137,13 @@ class EagleDrafter(Drafter):
         tree budget's cost model learns: a backlog is not what a round costs)."""
         t0 = time.perf_counter()
         states = [self.states[s.seq_id] for s in steps]
-        spans = [SeqSpan(st.tokens[:len(st.tokens) - keep], st.draft_len, s.block_table) for s, st in zip(steps, states)]
-        feats = torch.cat([f for st in states for f in st.features])
-        if keep:
-            rows, tail, start = [], [], 0
-            for st in states:
-                end = start + len(st.tokens)
-                rows.extend(range(start, end - keep))
-                tail.extend(range(end - keep, end))
-                start = end
-            idx = torch.tensor(rows, device=feats.device)
-            self._head_forward(spans, feats.index_select(0, idx))
-            rest = feats.index_select(0, torch.tensor(tail, device=feats.device))
-        else:
-            self._head_forward(spans, feats)
-        for i, st in enumerate(states):
-            st.draft_len += len(st.tokens) - keep
-            st.tokens = st.tokens[len(st.tokens) - keep:] if keep else []
-            st.features = [rest[i * keep:(i + 1) * keep]] if keep else []
+        counts = [len(st.tokens) - keep for st in states]  # pairs consumed now, per sequence
+        feats = [torch.cat(st.features) for st in states]
+        spans = [SeqSpan(st.tokens[:k], st.draft_len, s.block_table) for s, st, k in zip(steps, states, counts)]
+        self._head_forward(spans, torch.cat([f[:k] for f, k in zip(feats, counts)]))
+        for st, f, k in zip(states, feats, counts):
+            st.draft_len += k
+            st.tokens, st.features = st.tokens[k:], [f[k:]] if keep else []
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.catchup_seconds += time.perf_counter() - t0
