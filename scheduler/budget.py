@@ -289,8 +289,13 @@ class TreeBudget:
         """A round's measured wall time (see `CostModel.observe`); `committed`: the tokens it
         emitted, for the measured guard (pure decode rounds only: a prefill chunk's cost and
         its sequence's first token say nothing about decoding); `catchup`: seconds of it the
-        drafter spent consuming a backlog of pending pairs, which the cost model leaves out (a
-        round's cost, not a backlog's) and the guard keeps (speculating pays for it)."""
+        drafter spent consuming a backlog of pending pairs, which the cost model and the guard
+        both leave out. A backlog is what plain rounds left behind (or a new prompt's pairs, a
+        prefill-like cost per request), not what a speculating round costs: while the guard
+        holds speculation off, every probe found a backlog of 64 rounds or more and paid for it,
+        so at one sequence probes measured 44 tok/s against 119 plain and the verdict could
+        never turn. The backlogs' seconds are small against the rounds' (1.1 s over a whole
+        concurrency sweep: bench/results/serve.json, head_catchup_seconds)."""
         if self.cost_rate > 0:
             self.costs.observe(tokens, levels, seconds - catchup, self.cost_rate)
         pending, self._pending = self._pending, None
@@ -300,7 +305,7 @@ class TreeBudget:
         if prefill or kind not in ("plain", "spec"):
             return
         entry = self.measured.setdefault(n, {}).setdefault(kind, [0.0, 0])
-        rate = committed / seconds
+        rate = committed / max(seconds - catchup, 1e-9)
         entry[0] = rate if not entry[1] else entry[0] + self.guard_ema * (rate - entry[0])
         entry[1] += 1
 
