@@ -9,6 +9,9 @@ acceptance length = (accepted + verify steps) / verify steps, pooled over the pr
     .venv/bin/python bench/bench_head_curve.py --run /path/to/train-run
     .venv/bin/python bench/bench_head_curve.py --run RUN1,RUN2,RUN3,RUN4   # stages trained with --init
         # the previous one: training tokens count on from the earlier stages' cards
+    .venv/bin/python bench/bench_head_curve.py --run RUN1,...,RUN6 --reuse bench/results/head_curve_stages.json
+        # a curve extended by new stages: heads an earlier output measured (same head, tokens,
+        # tree, prompts, tokens per prompt, dtype) keep its figures, marked "reused"
 Writes --out (bench/results/head_curve.json) and a .png next to it.
 """
 from __future__ import annotations
@@ -37,6 +40,7 @@ def main(argv=None):
     ap.add_argument("--tree", default="60x6x10")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "head_curve.json"))
+    ap.add_argument("--reuse", default=None, help="an earlier output: its points for the same heads are kept, not re-run")
     args = ap.parse_args(argv)
     t, d, k = (int(x) for x in args.tree.split("x"))
     tok = bd.our_tokenizer()
@@ -54,8 +58,21 @@ def main(argv=None):
         heads.extend((offset + n, path, stage) for n, path in found)
         offset += card["train_tokens_seen"]
     params = SamplingParams(max_tokens=args.max_new, temperature=0)
-    points = []
+    points, earlier = [], {}
+    if args.reuse:
+        with open(args.reuse) as f:
+            prev = json.load(f)
+        same = ("tree", "prompts", "max_new", "dtype")
+        if all(prev["config"].get(k) == getattr(args, k) for k in same):
+            earlier = {(os.path.abspath(p["head"]), p["train_tokens"]): p for p in prev["points"]}
+        else:
+            print(f"--reuse {args.reuse}: measured with other settings; every head runs", flush=True)
     for tokens, path, stage in heads:
+        old = earlier.get((os.path.abspath(path), tokens))
+        if old is not None:
+            points.append({**old, "stage": stage, "reused": args.reuse})
+            print(f"{tokens:>10d} training tokens: acceptance length {old['acceptance_length']:.3f} (reused)", flush=True)
+            continue
         llm = LLM(None, dtype=args.dtype, draft=path, spec=SpecConfig("eagle2", total_tokens=t, depth=d, top_k=k),
                   tree_budget=False, kv_cache_tokens=8192)
         outs = llm.generate(prompts, params)
