@@ -111,9 +111,15 @@ class CostModel:
         """A measured round: `tokens` in the target forward, `levels[l - 1]` sequences drafting
         level l (an int n: n sequences at the profiled depth), its wall seconds. A plain round
         (nothing drafted) moves the verify curve by `rate` of its error at `tokens`; a drafting
-        round moves only the drafting curves, split by their shares of the modelled draft time,
-        so the cost a tree adds to a round (draft, tree attention, acceptance) is learnt where it
-        is paid and never leaks into what plain rounds of as many tokens cost. Normalised
+        round moves only the drafting curves, so the cost a tree adds to a round (draft, tree
+        attention, acceptance) is learnt where it is paid and never leaks into what plain rounds
+        of as many tokens cost. A round drafted one level deep moves the first level's curve; a
+        deeper one moves only the further levels' curve, split by their shares of the modelled
+        draft time. Splitting a deep round's error over every level instead left the first
+        level unidentifiable: once the budget drafted deep rounds only (its full-depth
+        explorations), their excess fed the first level too, with no one-level round to pull it
+        back, and at one sequence it climbed from the profile's 0.6 ms to 4.7-6.9 ms (serve
+        sweeps, `cost_model_on_end`), which priced every small tree out. Normalised
         least-mean-squares on the piecewise-linear curves: the measured points around a point
         move by their interpolation weights."""
         if tokens <= 0 or not seconds > 0:
@@ -132,6 +138,9 @@ class CostModel:
         if not levels or not self.first_points:
             _nudge(self.verify_points, self._verify, tokens, rate * err)
         else:
+            if len(levels) > 1 and self.grow_points:
+                parts = Counter({key: t for key, t in parts.items() if key[0] == 2})
+                drafted = sum(parts.values())
             for (curve, n), t in parts.items():
                 points, cache = (self.first_points, self._first) if curve == 1 else (self.grow_points, self._grow)
                 if points:

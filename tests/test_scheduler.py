@@ -381,6 +381,22 @@ def test_per_level_draft_cost_and_its_online_correction():
         assert costs.verify(t) + costs.draft_levels(lv) == pytest.approx(true(t, lv), rel=0.05)
 
 
+def test_deep_rounds_leave_the_first_level_cost_to_one_level_rounds():
+    """A deep round's excess goes to the further levels' curve only: with full-depth rounds
+    alone the first level keeps its profiled cost (the old split let it drift up with them,
+    and then priced one-level trees out); one-level rounds correct it."""
+    costs = CostModel([(1, 0.010), (64, 0.020)], [(1, 0.005), (8, 0.013)], [(1, 0.001), (8, 0.005)], depth=5)
+    deep = costs.verify(5) + costs.draft(1) + 0.006  # every deep round: 6 ms more than modelled
+    for _ in range(300):
+        costs.observe(5, [1] * 5, deep)
+    assert costs.level(1, 1) == pytest.approx(0.001)
+    assert costs.verify(5) + costs.draft(1) == pytest.approx(deep, rel=0.01)
+    one = costs.verify(3) + 0.0025  # one-level rounds: 1.5 ms more than modelled
+    for _ in range(300):
+        costs.observe(3, [1], one)
+    assert costs.level(1, 1) == pytest.approx(0.0025, rel=0.01)
+
+
 SIBLINGS = ((0.45, 0.35, 0.08, 0.05, 0.03, 0.02, 0.01), (1, 1, 2, 2, 1, 2, 3))  # likely first tokens, weak chains
 
 
