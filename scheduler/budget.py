@@ -303,8 +303,8 @@ class TreeBudget:
         prefill-like cost per request), not what a speculating round costs: while the guard
         holds speculation off, every probe found a backlog of 64 rounds or more and paid for it,
         so at one sequence probes measured 44 tok/s against 119 plain and the verdict could
-        never turn. The backlogs' seconds are small against the rounds' (1.1 s over a whole
-        concurrency sweep: bench/results/serve.json, head_catchup_seconds)."""
+        never turn. The backlogs' seconds are small against the rounds' (0.7-1.1 s over a whole
+        concurrency sweep: bench/results/serve*.json, head_catchup_seconds)."""
         if self.cost_rate > 0:
             self.costs.observe(tokens, levels, seconds - catchup, self.cost_rate)
         pending, self._pending = self._pending, None
