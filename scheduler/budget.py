@@ -118,8 +118,9 @@ class CostModel:
         draft time. Splitting a deep round's error over every level instead left the first
         level unidentifiable: once the budget drafted deep rounds only (its full-depth
         explorations), their excess fed the first level too, with no one-level round to pull it
-        back, and at one sequence it climbed from the profile's 0.6 ms to 4.7-6.9 ms (serve
-        sweeps, `cost_model_on_end`), which priced every small tree out. Normalised
+        back, and at one sequence it climbed from the profile's 0.6-0.9 ms to 4.4 and 12.1 ms
+        (`cost_model_on_end` of bench_serve's two sweeps at commit 26eee89), which priced every
+        small tree out. Normalised
         least-mean-squares on the piecewise-linear curves: the measured points around a point
         move by their interpolation weights."""
         if tokens <= 0 or not seconds > 0:
