@@ -71,6 +71,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--budget", default=None, help="also eagle2 with the load-aware tree budget, up to this shape")
     ap.add_argument("--full-vocab", action="store_true",
                     help="also the first eagle2 shape with the head's reduced draft vocabulary switched off")
+    ap.add_argument("--python-head", action="store_true",
+                    help="also the first eagle2 shape with the head's native one-layer stack switched off "
+                         "(its layer through Python-level torch ops, as before the stack)")
     ap.add_argument("--prompts", type=int, default=10, help="per prompt set")
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--sweep", action="store_true")
@@ -148,13 +151,16 @@ def phase_snapshot(timings) -> tuple[float, float, float, int]:
     return timings.draft, timings.verify, timings.accept, timings.steps
 
 
-def spec_system(spec: SpecConfig, args, budget: bool = False, full_vocab: bool = False) -> bd.System:
+def spec_system(spec: SpecConfig, args, budget: bool = False, full_vocab: bool = False,
+                python_head: bool = False) -> bd.System:
     """Our engine with `spec` (a fixed tree, or the tree budget); run() adds the request's spec
     counters and phase seconds."""
     llm = LLM(None, dtype=args.dtype, spec=spec, draft=args.draft if spec.uses_head else None,
               kv_cache_tokens=KV_CACHE_TOKENS, tree_budget=budget)
     if full_vocab:
         llm.runner.drafter.head.lm_head = None  # rank the whole vocabulary through the target's LM head
+    if python_head:
+        llm.runner.drafter.head._stack = None  # the head's layer through the Python path
     eos = set(llm.runner.loaded.eos_token_ids)
 
     def run(prompt, max_new):
@@ -173,8 +179,10 @@ def spec_system(spec: SpecConfig, args, budget: bool = False, full_vocab: bool =
 
     info = {"spec": {k: getattr(spec, k) for k in ("method", "total_tokens", "depth", "top_k")},
             "max_depth": spec.max_depth, "draft": llm.engine_config.draft, "eos_token_ids": sorted(eos),
-            "tree_budget": budget, "full_vocab": full_vocab, "cost_profile": llm.cost_profile}
-    name = spec_name(spec) + ("-budget" if budget else "") + ("-fullvocab" if full_vocab else "")
+            "tree_budget": budget, "full_vocab": full_vocab, "python_head": python_head,
+            "cost_profile": llm.cost_profile}
+    name = (spec_name(spec) + ("-budget" if budget else "") + ("-fullvocab" if full_vocab else "")
+            + ("-pyhead" if python_head else ""))
     return bd.System(name, "ours", args.dtype, run, info)
 
 
@@ -199,6 +207,8 @@ def build_systems(args, eos_id: int) -> list[bd.System]:
     systems = [spec_system(spec, args) for spec in specs]
     if args.full_vocab and args.draft:
         systems += [spec_system(spec, args, full_vocab=True) for spec in specs if spec.method == "eagle2"][:1]
+    if args.python_head and args.draft:
+        systems += [spec_system(spec, args, python_head=True) for spec in specs if spec.method == "eagle2"][:1]
     if args.budget and args.draft:
         systems.append(spec_system(spec_from_shape("eagle2", args.budget), args, budget=True))
     if "hf" in args.methods or "llamacpp" in args.methods:

@@ -220,7 +220,8 @@ class TreeBudget:
     def __init__(self, costs: CostModel, max_tree_tokens: int, prior: tuple[float, ...] = (),
                  ema: float = 0.02, explore_every: int = 32, cost_rate: float = 0.1, max_depth: int | None = None,
                  research_every: int = 8, min_gain: float = 0.05, guard_min: int = 8, guard_probe: int = 64,
-                 guard_ema: float = 0.1, spec_with_prefill: bool = False):
+                 guard_ema: float = 0.1, spec_with_prefill: bool = False, model_probe_every: int = 16,
+                 model_probe_margin: float = 0.1, model_probe_max_seqs: int = 4):
         """max_tree_tokens: the configured tree (the most a round may verify); prior: node
         confidences (best first) assumed before any round is seen; explore_every: when
         speculating, run every this many rounds plain, and as many at the full depth (0: never);
@@ -235,7 +236,16 @@ class TreeBudget:
         the guard holds speculation off, speculate every this many rounds to keep measuring it;
         guard_ema: the running averages' step; spec_with_prefill: speculate in rounds that also
         carry a prefill chunk (off: such rounds decode plainly; at 4 clients they took 120 ms
-        with trees against 37 ms without, for 1.4 more tokens: bench/bench_round_kinds.py)."""
+        with trees against 37 ms without, for 1.4 more tokens: bench/bench_round_kinds.py);
+        model_probe_every: where the model itself picks plain decoding at up to
+        model_probe_max_seqs sequences, but its best tree models within model_probe_margin of
+        plain, that tree still runs every this many rounds at the batch size (0: never). Without
+        it a model that came to price speculation out never measured it again: its drafting
+        costs and the guard's speculating rate are learnt from drafting rounds only, so a slow
+        spell of the machine, or a first-level cost drifted up, left them stale for good (a
+        bench_spec run at one sequence stopped drafting after 8 of 20 prompts and ran at 1.08x
+        where the fixed 3-token tree ran at 1.18x). Larger batches are not probed this way: a
+        probe after a while of plain rounds pays every sequence's backlog of head pairs."""
         self.costs = costs
         self.min_gain = min_gain
         self.research_every = research_every
@@ -263,6 +273,9 @@ class TreeBudget:
         self.last_modelled: tuple[float, float] = (0.0, 0.0)  # (chosen, plain) tokens per second
         self.guard_min, self.guard_probe, self.guard_ema = guard_min, guard_probe, guard_ema
         self.spec_with_prefill = spec_with_prefill
+        self.model_probe_every, self.model_probe_margin = model_probe_every, model_probe_margin
+        self.model_probe_max_seqs = model_probe_max_seqs
+        self.model_probes = 0  # rounds that drafted where the model chose plain (model_probe_every)
         # batch size -> {"plain" | "spec": [tokens per second (running average), rounds]}
         self.measured: dict[int, dict[str, list[float]]] = {}
         self.guarded = 0  # rounds the guard turned plain
@@ -342,6 +355,17 @@ class TreeBudget:
                 return verdict, True
         return False, True
 
+    def _probe_every(self, n: int) -> int:
+        """Rounds between the guard's speculating probes at batch size n: guard_probe, or
+        model_probe_every where the model probes too (small batches, where a probe's head
+        backlog is cheap). A one-round rate of speculation swings with the tokens the round
+        accepted (1-3 at one sequence), so its running average is noisy (~10% at guard_ema
+        0.1) and a verdict of 'slower' can be wrong; at one probe in 64 rounds it took hundreds
+        of rounds to turn back, where one in 16 takes a request or two."""
+        if self.model_probe_every and n <= self.model_probe_max_seqs:
+            return min(self.guard_probe, self.model_probe_every)
+        return self.guard_probe
+
     def guard_says_plain(self, n: int) -> bool:
         return self._guard(n)[0]
 
@@ -363,13 +387,13 @@ class TreeBudget:
             sizes, deep, best_rate, plain = self._choose_shared(caps, prefill_tokens)
         self.rounds += 1
         self.last_modelled = (best_rate, plain)
-        kind = "spec" if any(x > 1 for x in sizes) else "plain"
+        kind = model_kind = "spec" if any(x > 1 for x in sizes) else "plain"
         at_n = self._guard_rounds[n] = self._guard_rounds.get(n, 0) + 1
         probe = False
         if kind == "spec" and self.guard_min:
             plain_wins, inherited = self._guard(n)  # measured on pure decode rounds, applied to all at this size
             if plain_wins:
-                if at_n % self.guard_probe or inherited:
+                if at_n % self._probe_every(n) or inherited:
                     # measured: speculation loses here (or at a smaller batch size, which is not
                     # probed from here: a probe drafts every sequence, and after a while of plain
                     # rounds each one's backlog of head pairs, ~1 s at 32 sequences)
@@ -381,6 +405,13 @@ class TreeBudget:
                     and self.measured.get(n, {}).get("plain", (0.0, 0))[1] < self.guard_min:
                 sizes, deep, kind = [1] * n, [0] * n, "plain"  # plain's rate at this size, early
                 self.explored += 1
+        if model_kind == "plain" and self.model_probe_every and not prefill_tokens and not any(confidences) \
+                and n <= self.model_probe_max_seqs and at_n % self.model_probe_every == 0:
+            # the model prices speculation out here: try its best tree now and then, if it is close
+            alt_sizes, alt_deep, alt_rate, alt_plain = self._choose_shared(caps, prefill_tokens, probe=True)
+            if any(x > 1 for x in alt_sizes) and alt_rate >= alt_plain * (1 - self.model_probe_margin):
+                sizes, deep, kind, probe = alt_sizes, alt_deep, "spec", True
+                self.model_probes += 1
         if self.explore_every and kind == "spec" and not probe:
             if self.rounds % self.explore_every == 0:
                 # measure plain now and then: its modelled cost is what speculation must beat
@@ -404,6 +435,7 @@ class TreeBudget:
         verify = self.costs.verify
         plain = n / max(verify(prefill + n), 1e-12)
         best = (plain * (1 + self.min_gain), 0, 0)  # (rate, depth, additions): speculation must beat this
+        spec_best = (0.0, 0, 0)  # the best tree whatever its rate: what a model probe runs
         sums, drafted = [], []
         for conf in self.prior:
             acc = [0.0]
@@ -429,33 +461,42 @@ class TreeBudget:
                 r = rate(d, n * t)
                 if r > best[0]:
                     best = (r, d, n * t)
-        if best[2]:
-            d, t = best[1], best[2] // n
-            for k in range(n * (t - 1) + 1, min(n * (t + 1), n * min(top, drafted[d - 1]))):
-                r = rate(d, k)
-                if r > best[0]:
-                    best = (r, d, k)
+                if r > spec_best[0]:
+                    spec_best = (r, d, n * t)
+        for found in ("best", "spec_best"):
+            cur = best if found == "best" else spec_best
+            if cur[2]:
+                d, t = cur[1], cur[2] // n
+                for k in range(n * (t - 1) + 1, min(n * (t + 1), n * min(top, drafted[d - 1]))):
+                    r = rate(d, k)
+                    if r > cur[0]:
+                        cur = (r, d, k)
+            if found == "best":
+                best = cur
+            else:
+                spec_best = cur
         if not best[2]:
             best = (plain, 0, 0)
-        return best, plain
+        return best, plain, spec_best
 
-    def _choose_shared(self, caps: list[int], prefill: int):
+    def _choose_shared(self, caps: list[int], prefill: int, probe: bool = False):
         """Every sequence expects the prior: the best round gives each the same tree (or one
         node more for some), drafted to one common depth. Searched over depth x tree size,
         then over the sequences that take one node more around the best size; the search is
         redone every `research_every` rounds per (batch size, prefill tokens), the prior and
-        costs moving slowly (at 8 sequences it was ~2% of a round done every round)."""
+        costs moving slowly (at 8 sequences it was ~2% of a round done every round). probe: the
+        best tree even where it models below plain (see model_probe_every)."""
         n = len(caps)
         key = (n, prefill)
         hit = self._search.get(key)
         if hit is not None and self.rounds - hit[0] < self.research_every:
-            best, plain = hit[1], hit[2]
+            best, plain, spec_best = hit[1], hit[2], hit[3]
         else:
-            best, plain = self._search_shared(n, prefill)
+            best, plain, spec_best = self._search_shared(n, prefill)
             if len(self._search) > 256:
                 self._search.clear()
-            self._search[key] = (self.rounds, best, plain)
-        rate_, d, k = best
+            self._search[key] = (self.rounds, best, plain, spec_best)
+        rate_, d, k = spec_best if probe else best
         base, extra = divmod(k, n)
         sizes, deep = [1] * n, [0] * n
         if not k:

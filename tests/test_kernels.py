@@ -86,6 +86,40 @@ def test_native_paged_attention_matches_torch_backend(dtype, tol):
 
 
 @pytest.mark.skipif(native is None, reason="no AVX-512 bf16 CPU or no compiler")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 15, 16, 37])
+# head dims with compiled register layouts (32, 64, 128) and the run-time one (48); 1-8 query
+# heads per KV head (groups of up to 4, or 2 at 128)
+@pytest.mark.parametrize("H, Hkv, D", [(4, 2, 32), (9, 3, 64), (16, 2, 64), (6, 2, 128), (2, 1, 48)])
+def test_native_paged_attention_depends_only_on_the_visible_keys(dtype, n, H, Hkv, D):
+    """Bit-identical output for a query that sees the same keys contiguously (a plain step) or
+    scattered among masked ones (a tree node: committed keys, then its ancestors among other
+    nodes), as verified trees need; the kernel works through keys in blocks, which must be cut
+    from the visible keys. Also checks it against a float64 softmax."""
+    gen = torch.Generator().manual_seed(n)
+    S = 96
+    kc = torch.randn(S, Hkv, D, generator=gen).to(dtype)
+    vc = torch.randn(S, Hkv, D, generator=gen).to(dtype)
+    q = (torch.randn(1, H, D, generator=gen) * 2).to(dtype)
+    seen = torch.randperm(S, generator=gen)[:n + 3].tolist()  # the query's keys, in order
+    junk = [x for x in range(S) if x not in seen][:40]
+    # scattered: the committed n keys, then each of 3 ancestors behind a run of masked keys
+    slots = seen[:n] + junk[:13] + seen[n:n + 1] + junk[13:30] + seen[n + 1:n + 2] + junk[30:31] + seen[n + 2:]
+    mask = torch.tensor([[[x in seen for x in slots]]])
+    one = lambda s, m: native.paged_attention(  # noqa: E731
+        q, kc, vc, torch.tensor([s]), torch.tensor([len(s)]), torch.tensor([0]), torch.tensor([0]), m, D ** -0.5)
+    scattered = one(slots, mask)
+    contiguous = one(seen, torch.empty(0, dtype=torch.bool))
+    assert torch.equal(scattered, contiguous)
+    k64, v64 = kc[seen].double(), vc[seen].double()  # [n + 3, Hkv, D]
+    g = H // Hkv
+    want = torch.stack([torch.softmax(k64[:, h // g] @ q[0, h].double() * D ** -0.5, 0) @ v64[:, h // g]
+                        for h in range(H)]).reshape(1, H * D)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(contiguous.double(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(native is None, reason="no AVX-512 bf16 CPU or no compiler")
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_mixed_prefill_and_decode_batch_matches_torch_backend(dtype, tol):
     """Continuous batching: a 100-token prefill chunk (past the native kernel's query limit)
@@ -197,3 +231,51 @@ def test_packed_bf16_linear_matches_reference_and_is_row_independent(m, k, n):
         assert torch.equal(got, alone)
     with pytest.raises(RuntimeError, match="N % 32"):
         native.pack_bf16(w[: n - 1].contiguous() if n > 32 else torch.zeros(31, k, dtype=torch.bfloat16))
+
+
+@pytest.mark.skipif(native is None, reason="no AVX-512 bf16 CPU or no compiler")
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_native_head_stack_matches_python_forward(tiny_llama, tmp_path, dtype, tol):
+    """The EAGLE head's layer as a one-layer native stack (no input norm, no final norm) gives
+    the Python path's features and draft KV: pairs consumed by two sequences, then a frontier
+    over masked scratch keys, as drafting feeds it."""
+    from engine.attention import make_backend
+    from engine.forward_batch import SeqSpan, build_forward_batch
+    from engine.kv_cache import KVCache
+    from engine.loader import load_model
+    from engine.spec.eagle_drafter import _rotary
+    from engine.spec.eagle_head import load_eagle_head
+    from tests.spec_helpers import write_eagle_head
+    target = load_model(tiny_llama[0], dtype, torch.device("cpu"), skip_tokenizer=True).model
+    target.prepack()
+    head = load_eagle_head(write_eagle_head(str(tmp_path / "head"), tiny_llama[0], std=0.2), target, dtype)
+    head.prepack()
+    assert head._stack is not None and head._stack_max_rows >= 4
+    cfg = head.config
+    backend = make_backend(cfg.head_dim ** -0.5, torch.device("cpu"), dtype)
+    rotary = _rotary(cfg)
+    gen = torch.Generator().manual_seed(3)
+    blocks = [[9, 3, 17, 5], [1, 30, 12, 7]]
+    # 2 + 2 committed pairs, then 2 + 2 frontier nodes (depth 2: one scratch key each, masked)
+    consume = [SeqSpan([5, 8], 0, blocks[0]), SeqSpan([7, 6], 0, blocks[1])]
+    frontier = [SeqSpan([11, 12], 3, blocks[b], positions=[2, 2], num_masked_cached=1,
+                        tree_mask=torch.tensor([[True, True, False], [False, False, True]])) for b in range(2)]
+    scratch = [SeqSpan([13], 2, blocks[b]) for b in range(2)]
+    feats = [torch.randn(4, cfg.hidden_size, generator=gen).to(dtype) for _ in range(2)] + \
+            [torch.randn(2, cfg.hidden_size, generator=gen).to(dtype)]
+    outs = []
+    for use_stack in (True, False):
+        stack = head._stack
+        head._stack = stack if use_stack else None
+        kv = KVCache(1, 32, 4, cfg.num_kv_heads, cfg.head_dim, dtype, torch.device("cpu"))
+        got = []
+        with torch.inference_mode():
+            for spans, f in ((consume, feats[0]), (scratch, feats[2]), (frontier, feats[1])):
+                batch = build_forward_batch(spans, 4, torch.device("cpu"))
+                got.append(head(target.model.embed_tokens(batch.input_ids), f, batch, kv, backend, rotary).float())
+        head._stack = stack
+        outs.append(got + [kv.data.float()])
+    for a, b in zip(*outs):  # bf16: RoPE tables are float32 natively, bf16 in Python; roundings spread
+        assert ((a - b).norm() / b.norm()).item() < tol, ((a - b).norm() / b.norm()).item()
+    # the masked scratch key matters: the frontier's two rows differ from an unmasked run
+    assert not torch.allclose(outs[0][2][0], outs[0][2][1])

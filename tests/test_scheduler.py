@@ -366,6 +366,49 @@ def test_measured_guard_stops_speculation_that_measures_slower_than_plain():
     assert any(x > 1 for x in b.choose([()] * 2, [8] * 2))
 
 
+def test_model_probes_speculation_it_has_priced_out_and_recovers():
+    """A stale drafting cost (a slow spell, a drifted curve) makes the model choose plain; since
+    drafting costs are learnt from drafting rounds only, the old budget never drafted again.
+    Where its best tree models close to plain, it now runs that tree every model_probe_every
+    rounds at small batches, the measured rounds correct the cost, and speculation comes back;
+    where the model is right, the probes stay one round in model_probe_every."""
+    true_v = lambda t: 0.010 + 0.0005 * (t - 1)  # noqa: E731
+
+    def run(true_draft, n=1, rounds=600, **kw):
+        stale = CostModel([(1, 0.010), (2, 0.0105), (64, 0.0415)], [(1, 0.0045), (8, 0.0045)])
+        b = TreeBudget(stale, 2, prior=(0.5,), explore_every=0, guard_min=0, **kw)
+        kinds = []
+        for _ in range(rounds):
+            sizes = b.choose([()] * n, [8] * n)
+            drafting = sum(1 for x in sizes if x > 1)
+            kinds.append(drafting > 0)
+            b.observe_round(sum(sizes), drafting, true_v(sum(sizes)) + (true_draft if drafting else 0.0))
+        return b, kinds
+
+    assert TreeBudget(CostModel([(1, 0.010), (2, 0.0105)], [(1, 0.0045)]), 2, prior=(0.5,)).choose([()], [8]) == [1]
+    b, kinds = run(true_draft=0.001)  # the draft really costs 1 ms: a 2-token tree gains ~30%
+    assert b.model_probes >= 1 and sum(kinds[-100:]) == 100
+    assert b.costs.draft(1) == pytest.approx(0.001, rel=0.1)
+    b, kinds = run(true_draft=0.001, model_probe_every=0)  # without probes: plain for good
+    assert not any(kinds) and b.costs.draft(1) == pytest.approx(0.0045)
+    b, kinds = run(true_draft=0.0045)  # the model was right: a probe every 16 rounds, no more
+    assert sum(kinds[-160:]) == 10 and b.model_probes == 600 // 16
+    b, kinds = run(true_draft=0.001, n=8)  # larger batches are not probed (head backlogs)
+    assert not any(kinds)
+
+
+def test_guard_probes_small_batches_more_often():
+    """Where the guard holds speculation off, it probes every guard_probe rounds, and every
+    model_probe_every at small batches (a one-round rate is noisy, a wrong verdict must turn
+    back soon, and a probe there pays little head backlog)."""
+    flat = CostModel([(1, 0.010), (64, 0.0105)], [(1, 0.001), (64, 0.002)])
+    for n, every in ((1, 16), (4, 16), (8, 64)):
+        b = TreeBudget(flat, 8, explore_every=0, cost_rate=0, guard_min=8, guard_probe=64)
+        b.measured[n] = {"plain": [1000.0, 8], "spec": [800.0, 8]}  # measured: speculation loses here
+        spec = [any(x > 1 for x in b.choose([()] * n, [8] * n)) for _ in range(256)]
+        assert sum(spec) == 256 // every, n
+
+
 def test_per_level_draft_cost_and_its_online_correction():
     costs = CostModel([(1, 0.010), (64, 0.020)], [(1, 0.005), (8, 0.013)], [(1, 0.002), (8, 0.005)], depth=4)
     assert costs.level(1, 1) == pytest.approx(0.002) and costs.level(2, 1) == pytest.approx(0.001)

@@ -8,6 +8,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -20,33 +21,115 @@ template <> inline __m512 load16<at::BFloat16>(const at::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-template <typename T>
-void attend_one(const T* q, const T* k_cache, const T* v_cache, const int64_t* slots, const bool* mask,
-                int64_t L, int64_t stride, int64_t D, float scale, float* out) {
-  // D is a multiple of 16 (checked by the caller); at most 256.
-  __m512 qv[16], acc[16];
-  const int64_t nv = D / 16;
-  for (int64_t i = 0; i < nv; ++i) { qv[i] = _mm512_mul_ps(load16(q + 16 * i), _mm512_set1_ps(scale)); acc[i] = _mm512_setzero_ps(); }
-  float m = -INFINITY, denom = 0.f;
-  for (int64_t j = 0; j < L; ++j) {
-    if (mask && !mask[j]) continue;
-    const T* k = k_cache + slots[j] * stride;
-    __m512 s = _mm512_setzero_ps();
-    for (int64_t i = 0; i < nv; ++i) s = _mm512_fmadd_ps(qv[i], load16(k + 16 * i), s);
-    const float score = _mm512_reduce_add_ps(s);
-    const T* v = v_cache + slots[j] * stride;
-    if (score > m) {  // rescale what has been accumulated so far
-      const float c = std::exp(m - score);
-      denom *= c;
-      for (int64_t i = 0; i < nv; ++i) acc[i] = _mm512_mul_ps(acc[i], _mm512_set1_ps(c));
-      m = score;
+// e^x for x <= 0 (16 lanes; x - max of an online softmax): 2^n * e^f with n = round(x / ln 2)
+// and |f| <= ln 2 / 2, e^f by a degree-7 Taylor polynomial (relative error ~2e-8, under float32's
+// rounding), 2^n by VSCALEFPS, which flushes x below ~-104 to 0 as e^x does in float32.
+inline __m512 exp_nonpos(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // f = x - n ln 2 in two steps (ln 2 = hi + lo, hi exact in few bits) to keep f accurate
+  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), f);
+  __m512 p = _mm512_set1_ps(1.f / 5040.f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 720.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+constexpr int KEY_BLOCK = 16;
+
+// GB query heads that share one KV head (GQA), one query row, over the sequence's keys. Each
+// head is an online softmax in float32. The visible keys, in order, go in blocks of KEY_BLOCK:
+// every key's K (and then V) is converted to float32 once for the GB heads, its scores are
+// independent dot products, each head updates its running max and rescales once per block and
+// takes the block's exps in one vector. Blocks are cut from the visible keys only, so a head's
+// arithmetic depends on which keys it sees, not on the masked ones around them or on the other
+// heads: a tree node computes what a plain step over the same keys computes.
+// NV = D / 16 at compile time (registers); NV = 0: D at run time, any multiple of 16 up to 256.
+template <typename T, int NV, int GB>
+void attend_group(const T* q, const T* k_cache, const T* v_cache, const int64_t* slots, const bool* mask,
+                  int64_t L, int64_t stride, int64_t D, float scale, float* out) {
+  constexpr int NVA = NV > 0 ? NV : 16;
+  const int nv = NV > 0 ? NV : static_cast<int>(D / 16);
+  __m512 qv[GB][NVA], acc[GB][NVA], kv[NVA];
+  float m[GB], denom[GB];
+  alignas(64) float sc[GB][KEY_BLOCK];
+  alignas(64) float pr[GB][KEY_BLOCK];
+  int64_t vis[KEY_BLOCK];
+  for (int g = 0; g < GB; ++g) {
+    m[g] = -INFINITY;
+    denom[g] = 0.f;
+    for (int i = 0; i < nv; ++i) {
+      qv[g][i] = _mm512_mul_ps(load16(q + g * D + 16 * i), _mm512_set1_ps(scale));
+      acc[g][i] = _mm512_setzero_ps();
     }
-    const float p = std::exp(score - m);
-    denom += p;
-    for (int64_t i = 0; i < nv; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(p), load16(v + 16 * i), acc[i]);
   }
-  const float inv = denom > 0.f ? 1.f / denom : 0.f;
-  for (int64_t i = 0; i < nv; ++i) _mm512_storeu_ps(out + 16 * i, _mm512_mul_ps(acc[i], _mm512_set1_ps(inv)));
+  int64_t j = 0;
+  while (j < L) {
+    int n = 0;
+    for (; j < L && n < KEY_BLOCK; ++j)
+      if (!mask || mask[j]) vis[n++] = slots[j];
+    if (n == 0) break;
+    for (int b = 0; b < n; ++b) {
+      const T* k = k_cache + vis[b] * stride;
+      for (int i = 0; i < nv; ++i) kv[i] = load16(k + 16 * i);
+      for (int g = 0; g < GB; ++g) {
+        __m512 s = _mm512_mul_ps(qv[g][0], kv[0]);
+        for (int i = 1; i < nv; ++i) s = _mm512_fmadd_ps(qv[g][i], kv[i], s);
+        sc[g][b] = _mm512_reduce_add_ps(s);
+      }
+    }
+    const __mmask16 live = n == KEY_BLOCK ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+    for (int g = 0; g < GB; ++g) {
+      const __m512 s = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, sc[g]);
+      const float bmax = _mm512_reduce_max_ps(s);
+      if (bmax > m[g]) {  // rescale what has been accumulated so far
+        const float c = std::exp(m[g] - bmax);
+        denom[g] *= c;
+        for (int i = 0; i < nv; ++i) acc[g][i] = _mm512_mul_ps(acc[g][i], _mm512_set1_ps(c));
+        m[g] = bmax;
+      }
+      const __m512 p = _mm512_maskz_mov_ps(live, exp_nonpos(_mm512_sub_ps(s, _mm512_set1_ps(m[g]))));
+      _mm512_store_ps(pr[g], p);
+      denom[g] += _mm512_reduce_add_ps(p);
+    }
+    for (int b = 0; b < n; ++b) {
+      const T* v = v_cache + vis[b] * stride;
+      for (int i = 0; i < nv; ++i) kv[i] = load16(v + 16 * i);
+      for (int g = 0; g < GB; ++g) {
+        const __m512 pb = _mm512_set1_ps(pr[g][b]);
+        for (int i = 0; i < nv; ++i) acc[g][i] = _mm512_fmadd_ps(pb, kv[i], acc[g][i]);
+      }
+    }
+  }
+  for (int g = 0; g < GB; ++g) {
+    const float inv = denom[g] > 0.f ? 1.f / denom[g] : 0.f;
+    for (int i = 0; i < nv; ++i) _mm512_storeu_ps(out + g * D + 16 * i, _mm512_mul_ps(acc[g][i], _mm512_set1_ps(inv)));
+  }
+}
+
+// All G heads of one KV head, in groups of up to MAXG (registers: q and accumulators per head).
+template <typename T, int NV>
+void attend_heads(int64_t G, const T* q, const T* k_cache, const T* v_cache, const int64_t* slots, const bool* mask,
+                  int64_t L, int64_t stride, int64_t D, float scale, float* out) {
+  constexpr int MAXG = NV == 0 ? 1 : NV <= 4 ? 4 : 2;
+  for (int64_t g0 = 0; g0 < G; g0 += MAXG) {
+    const int64_t gb = std::min<int64_t>(MAXG, G - g0);
+    const T* qg = q + g0 * D;
+    float* og = out + g0 * D;
+    switch (gb) {
+      case 1: attend_group<T, NV, 1>(qg, k_cache, v_cache, slots, mask, L, stride, D, scale, og); break;
+      case 2: attend_group<T, NV, MAXG >= 2 ? 2 : 1>(qg, k_cache, v_cache, slots, mask, L, stride, D, scale, og); break;
+      case 3: attend_group<T, NV, MAXG >= 3 ? 3 : 1>(qg, k_cache, v_cache, slots, mask, L, stride, D, scale, og); break;
+      default: attend_group<T, NV, MAXG>(qg, k_cache, v_cache, slots, mask, L, stride, D, scale, og); break;
+    }
+  }
 }
 
 template <typename T>
@@ -64,14 +147,17 @@ void run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& v
   const int64_t* rp = q_row.data_ptr<int64_t>();
   const bool* mp = Q ? mask.data_ptr<bool>() : nullptr;
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, T_ * H, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> buf(D);
+  const auto heads = D == 32 ? attend_heads<T, 2> : D == 64 ? attend_heads<T, 4> : D == 128 ? attend_heads<T, 8>
+                                                                                          : attend_heads<T, 0>;
+  // one work item per (query row, KV head): its G query heads share every key's conversion
+  at::parallel_for(0, T_ * Hkv, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> buf(G * D);
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t t = i / H, h = i % H, b = sp[t];
+      const int64_t t = i / Hkv, kvh = i % Hkv, b = sp[t], h0 = kvh * G;
       const bool* mrow = mp ? mp + (b * Q + rp[t]) * L : nullptr;
-      attend_one<T>(qp + (t * H + h) * D, kp + (h / G) * D, vp + (h / G) * D, gp + b * L, mrow,
-                    mp ? L : lp[b], Hkv * D, D, static_cast<float>(scale), buf.data());
-      for (int64_t d = 0; d < D; ++d) op[(t * H + h) * D + d] = static_cast<T>(buf[d]);
+      heads(G, qp + (t * H + h0) * D, kp + kvh * D, vp + kvh * D, gp + b * L, mrow, mp ? L : lp[b], Hkv * D, D,
+            static_cast<float>(scale), buf.data());
+      for (int64_t d = 0; d < G * D; ++d) op[(t * H + h0) * D + d] = static_cast<T>(buf[d]);
     }
   });
 }

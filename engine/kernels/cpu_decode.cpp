@@ -4,7 +4,8 @@
 // small tensor ops per layer that surround them cost about as much again when each is a
 // Python-level call. `DecodeStack` holds every layer's weights once and runs the layers in C++
 // with the same kernels the Python path uses (skinny_linear, paged_attention, add_rms_norm);
-// tests/test_kernels.py checks it against the Python forward.
+// tests/test_kernels.py checks it against the Python forward. The EAGLE draft head's one layer
+// runs through it too (no input norm, no final norm: empty weights).
 #include <torch/extension.h>
 #include <cmath>
 #include <vector>
@@ -75,7 +76,8 @@ struct DecodeStack {
     torch::Tensor delta = torch::zeros_like(h);
     torch::Tensor act = torch::empty({T, inter}, h.options());
     for (size_t l = 0; l < qkv.size(); ++l) {
-      torch::Tensor x = add_rms_norm(residual, delta, in_norm[l], eps);  // delta is 0 for layer 0
+      // delta is 0 for layer 0; an empty norm weight means no input norm (the EAGLE head's layer)
+      torch::Tensor x = in_norm[l].numel() ? add_rms_norm(residual, delta, in_norm[l], eps) : residual.add_(delta);
       torch::Tensor fused = skinny_linear(x, qkv[l], opt(qkv_bias[l]), false);  // [T, q + 2 kv]
       AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, h.scalar_type(), "rope", [&] {
         rope_inplace<scalar_t>(fused.data_ptr<scalar_t>(), T, q_size + 2 * kv_size, heads + kv_heads, D,
@@ -96,7 +98,8 @@ struct DecodeStack {
       });
       delta = skinny_linear(act, down[l], c10::nullopt, false);
     }
-    return add_rms_norm(residual, delta, final_norm, eps);
+    // an empty final norm weight: the stack's raw output h + residual (the EAGLE head's feature)
+    return final_norm.numel() ? add_rms_norm(residual, delta, final_norm, eps) : residual.add_(delta);
   }
 };
 

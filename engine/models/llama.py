@@ -115,21 +115,30 @@ class LlamaForCausalLM(nn.Module):
         return packed
 
     def _build_stack(self, mod):
-        layers, cfg = self.model.layers, self.config
-        none = torch.empty(0)
-        bias = lambda lin: lin.bias.data if lin.bias is not None else none  # noqa: E731
-        return mod.DecodeStack(
-            [l.input_layernorm.weight.data for l in layers], [l.self_attn.qkv_proj.native_weight for l in layers],
-            [bias(l.self_attn.qkv_proj) for l in layers], [l.self_attn.o_proj.native_weight for l in layers],
-            [bias(l.self_attn.o_proj) for l in layers], [l.post_attention_layernorm.weight.data for l in layers],
-            [l.mlp.gate_up_proj.native_weight for l in layers], [l.mlp.down_proj.native_weight for l in layers],
-            self.model.norm.weight.data, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
-            cfg.head_dim ** -0.5)
+        return build_decode_stack(mod, self.model.layers, self.model.norm, self.config)
 
     def _native_forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """The whole stack in one native call (decode-sized batches on the CPU)."""
-        h = self.model.embed_tokens(batch.input_ids)
-        rot = self.model.rotary
-        return self._stack.forward(h, kv.data, batch.slot_mapping, batch.kv_gather.view(batch.num_seqs, -1),
-                                   batch.kv_lens, batch.q_seq, batch.q_row, batch.mask_3d(),
-                                   rot.cos_table[batch.positions], rot.sin_table[batch.positions])
+        return native_stack_forward(self._stack, self.model.embed_tokens(batch.input_ids), batch, kv,
+                                    self.model.rotary)
+
+
+def build_decode_stack(mod, layers, final_norm, cfg: ModelConfig):
+    """The native DecodeStack over prepacked `layers`; a layer whose input norm is not an RMSNorm
+    (the EAGLE head's nn.Identity), or a `final_norm` of None, is passed as an empty weight: no norm."""
+    none = torch.empty(0)
+    bias = lambda lin: lin.bias.data if lin.bias is not None else none  # noqa: E731
+    norm = lambda n: n.weight.data if isinstance(n, RMSNorm) else none  # noqa: E731
+    return mod.DecodeStack(
+        [norm(l.input_layernorm) for l in layers], [l.self_attn.qkv_proj.native_weight for l in layers],
+        [bias(l.self_attn.qkv_proj) for l in layers], [l.self_attn.o_proj.native_weight for l in layers],
+        [bias(l.self_attn.o_proj) for l in layers], [l.post_attention_layernorm.weight.data for l in layers],
+        [l.mlp.gate_up_proj.native_weight for l in layers], [l.mlp.down_proj.native_weight for l in layers],
+        norm(final_norm), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.head_dim ** -0.5)
+
+
+def native_stack_forward(stack, h: torch.Tensor, batch: ForwardBatch, kv: KVCache, rotary) -> torch.Tensor:
+    """One native call over a decode-sized batch: h [T, hidden] in, the stack's output out."""
+    return stack.forward(h, kv.data, batch.slot_mapping, batch.kv_gather.view(batch.num_seqs, -1),
+                         batch.kv_lens, batch.q_seq, batch.q_row, batch.mask_3d(),
+                         rotary.cos_table[batch.positions], rotary.sin_table[batch.positions])
