@@ -110,7 +110,8 @@ class CostModel:
     def observe(self, tokens: int, levels: list[int] | int, seconds: float, rate: float = 0.1) -> None:
         """A measured round: `tokens` in the target forward, `levels[l - 1]` sequences drafting
         level l (an int n: n sequences at the profiled depth), its wall seconds. A plain round
-        (nothing drafted) moves the verify curve by `rate` of its error at `tokens`; a drafting
+        (nothing drafted) moves the verify curve by `rate` of its error at `tokens` and every
+        larger forward's by as much (`_shift_from`); a drafting
         round moves only the drafting curves, so the cost a tree adds to a round (draft, tree
         attention, acceptance) is learnt where it is paid and never leaks into what plain rounds
         of as many tokens cost. A round drafted one level deep moves the first level's curve; a
@@ -137,7 +138,7 @@ class CostModel:
         drafted = sum(parts.values())
         err = seconds - (v + drafted)
         if not levels or not self.first_points:
-            _nudge(self.verify_points, self._verify, tokens, rate * err)
+            _shift_from(self.verify_points, self._verify, tokens, rate * err)
         else:
             if len(levels) > 1 and self.grow_points:
                 parts = Counter({key: t for key, t in parts.items() if key[0] == 2})
@@ -202,6 +203,25 @@ def _nudge(points: list[tuple[int, float]], cache: dict[int, float], x: int, del
         hi_x = float("inf")
     for k in [k for k in cache if lo_x < k < hi_x]:
         del cache[k]
+
+
+def _shift_from(points: list[tuple[int, float]], cache: dict[int, float], x: int, delta: float,
+                floor: float = 1e-6) -> None:
+    """Move the verify curve at x by delta, and every larger forward's with it: what a plain
+    round of x tokens measures over the profile is mostly per-round cost (the loop's plan and
+    outputs, sampling, a slower spell of the machine) that a forward of more tokens pays too.
+    Moving only the points around x taught one sequence's plain rounds (x = 1) ~1-3 ms that its
+    trees (3-8 tokens, whose verify cost only plain rounds of that many sequences correct) never
+    paid in the model: trees looked up to that much cheaper than they were, the deeper ones
+    most. Points from the last one at or below x move (so the value at x moves by exactly
+    delta); smaller forwards keep theirs."""
+    xs = [p[0] for p in points]
+    lo = max(0, bisect.bisect_right(xs, x) - 1)
+    if x > xs[-1]:  # extrapolated from the last two points: both move
+        lo = max(0, len(points) - 2)
+    for j in range(lo, len(points)):
+        points[j] = (xs[j], max(floor, points[j][1] + delta))
+    cache.clear()
 
 
 def _interp(points: list[tuple[int, float]], x: float) -> float:

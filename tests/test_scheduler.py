@@ -409,6 +409,35 @@ def test_guard_probes_small_batches_more_often():
         assert sum(spec) == 256 // every, n
 
 
+def test_plain_rounds_carry_their_per_round_cost_to_larger_forwards():
+    """What one sequence's plain rounds measure over the profile (loop overhead, a slow spell)
+    a tree of a few tokens at that sequence pays too: the whole curve above moves with it, so
+    trees do not look cheaper than plain by that much. Plain rounds of more tokens correct
+    their own part of the curve and leave the smaller forwards alone."""
+    costs = CostModel([(1, 0.010), (2, 0.0105), (4, 0.0115), (8, 0.0135), (32, 0.030)])
+    for _ in range(300):
+        costs.observe(1, [], 0.012)  # plain rounds at one sequence: 2 ms over the profile
+    assert costs.verify(1) == pytest.approx(0.012, rel=0.01)
+    for t, base in ((2, 0.0105), (4, 0.0115), (8, 0.0135), (32, 0.030), (6, 0.0125)):
+        assert costs.verify(t) == pytest.approx(base + 0.002, rel=0.01), t
+    for _ in range(300):
+        costs.observe(32, [], 0.030)  # 32 sequences: their own measurement wins there
+    assert costs.verify(32) == pytest.approx(0.030, rel=0.01)
+    assert costs.verify(4) == pytest.approx(0.0135, rel=0.01) and costs.verify(1) == pytest.approx(0.012, rel=0.01)
+
+
+def test_profile_curve_is_made_non_decreasing():
+    from engine.profile import non_decreasing
+    noisy = [(1, 10.4), (2, 10.2), (3, 12.6), (4, 12.4), (5, 11.5), (6, 16.6), (8, 16.3), (12, 21.6)]
+    got = non_decreasing(noisy)
+    assert [x for x, _ in got] == [x for x, _ in noisy]
+    ys = [y for _, y in got]
+    assert all(a <= b for a, b in zip(ys, ys[1:]))
+    assert ys[0] == ys[1] == pytest.approx(10.3) and ys[2] == ys[3] == ys[4] == pytest.approx(12.1667, rel=1e-4)
+    assert ys[5] == ys[6] == pytest.approx(16.45) and ys[7] == 21.6
+    assert non_decreasing([(1, 1.0), (2, 2.0)]) == [(1, 1.0), (2, 2.0)]
+
+
 def test_per_level_draft_cost_and_its_online_correction():
     costs = CostModel([(1, 0.010), (64, 0.020)], [(1, 0.005), (8, 0.013)], [(1, 0.002), (8, 0.005)], depth=4)
     assert costs.level(1, 1) == pytest.approx(0.002) and costs.level(2, 1) == pytest.approx(0.001)
@@ -594,6 +623,8 @@ def test_startup_profiler_runs_on_a_tiny_model(tiny_llama, head_dir):
     assert [n for n, _ in prof["draft"]] == [n for n, _ in prof["draft_first"]] == [1, 2, 4, 8]
     assert prof["depth"] == 3 and llm.budget.max_depth == 3 and llm.budget.costs.per_level
     assert all(s > 0 for _, s in prof["verify"] + prof["draft"])
+    ys = [s for _, s in prof["verify"]]
+    assert all(a <= b for a, b in zip(ys, ys[1:]))  # a forward of more tokens never costs less
     # the profile left nothing behind: generation afterwards equals a fixed-tree engine's
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     fixed = LLM(tiny_llama[0], **KW, kv_cache_tokens=2048)
