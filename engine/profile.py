@@ -21,7 +21,7 @@ DRAFT_GRID = (1, 2, 4, 8, 16, 32, 64)
 def non_decreasing(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
     """The closest non-decreasing curve (least squares, pool-adjacent-violators) to timed
     points sorted by x: a forward of more tokens never costs less, and a noisy profile that said
-    otherwise (5 tokens at 11.5 ms after 3 at 12.6 ms, in a bench_serve start-up) made trees of
+    otherwise (4 tokens at 14.9 ms after 3 at 15.8 ms: the budget's profile in eagle_v6.json) made trees of
     that size look cheaper than smaller ones for good, the online correction of verify costs
     coming from plain rounds only."""
     blocks: list[list[float]] = []  # [sum, count]

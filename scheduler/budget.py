@@ -379,9 +379,9 @@ class TreeBudget:
         """Rounds between the guard's speculating probes at batch size n: guard_probe, or
         model_probe_every where the model probes too (small batches, where a probe's head
         backlog is cheap). A one-round rate of speculation swings with the tokens the round
-        accepted (1-3 at one sequence), so its running average is noisy (~10% at guard_ema
-        0.1) and a verdict of 'slower' can be wrong; at one probe in 64 rounds it took hundreds
-        of rounds to turn back, where one in 16 takes a request or two."""
+        accepted (1-3 at one sequence), so its running average is noisy (by estimate ~10% at
+        guard_ema 0.1) and a verdict of 'slower' can be wrong; each probe moves it by
+        guard_ema, so one in 64 rounds turns a wrong verdict back four times slower than one in 16."""
         if self.model_probe_every and n <= self.model_probe_max_seqs:
             return min(self.guard_probe, self.model_probe_every)
         return self.guard_probe
@@ -454,8 +454,7 @@ class TreeBudget:
         c = self.calibration
         verify = self.costs.verify
         plain = n / max(verify(prefill + n), 1e-12)
-        best = (plain * (1 + self.min_gain), 0, 0)  # (rate, depth, additions): speculation must beat this
-        spec_best = (0.0, 0, 0)  # the best tree whatever its rate: what a model probe runs
+        spec_best = (0.0, 0, 0)  # (rate, depth, additions): the best tree whatever its rate (a model probe's)
         sums, drafted = [], []
         for conf in self.prior:
             acc = [0.0]
@@ -479,25 +478,18 @@ class TreeBudget:
         for d in range(1, len(self.prior) + 1):
             for t in range(1, min(top, drafted[d - 1]) + 1):  # past the drafted nodes, nothing gains
                 r = rate(d, n * t)
-                if r > best[0]:
-                    best = (r, d, n * t)
                 if r > spec_best[0]:
                     spec_best = (r, d, n * t)
-        for found in ("best", "spec_best"):
-            cur = best if found == "best" else spec_best
-            if cur[2]:
-                d, t = cur[1], cur[2] // n
-                for k in range(n * (t - 1) + 1, min(n * (t + 1), n * min(top, drafted[d - 1]))):
-                    r = rate(d, k)
-                    if r > cur[0]:
-                        cur = (r, d, k)
-            if found == "best":
-                best = cur
-            else:
-                spec_best = cur
-        if not best[2]:
-            best = (plain, 0, 0)
-        return best, plain, spec_best
+        # speculation must beat plain by min_gain at a whole tree per sequence; only then is the
+        # size refined (sequences taking one node more or less)
+        pays = spec_best[0] > plain * (1 + self.min_gain)
+        if spec_best[2]:
+            d, t = spec_best[1], spec_best[2] // n
+            for k in range(n * (t - 1) + 1, min(n * (t + 1), n * min(top, drafted[d - 1]))):
+                r = rate(d, k)
+                if r > spec_best[0]:
+                    spec_best = (r, d, k)
+        return (spec_best if pays else (plain, 0, 0)), plain, spec_best
 
     def _choose_shared(self, caps: list[int], prefill: int, probe: bool = False):
         """Every sequence expects the prior: the best round gives each the same tree (or one

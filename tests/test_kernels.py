@@ -263,19 +263,23 @@ def test_native_head_stack_matches_python_forward(tiny_llama, tmp_path, dtype, t
     scratch = [SeqSpan([13], 2, blocks[b]) for b in range(2)]
     feats = [torch.randn(4, cfg.hidden_size, generator=gen).to(dtype) for _ in range(2)] + \
             [torch.randn(2, cfg.hidden_size, generator=gen).to(dtype)]
-    outs = []
-    for use_stack in (True, False):
+    def run(use_stack, last):
         stack = head._stack
         head._stack = stack if use_stack else None
         kv = KVCache(1, 32, 4, cfg.num_kv_heads, cfg.head_dim, dtype, torch.device("cpu"))
         got = []
         with torch.inference_mode():
-            for spans, f in ((consume, feats[0]), (scratch, feats[2]), (frontier, feats[1])):
+            for spans, f in ((consume, feats[0]), (scratch, feats[2]), (last, feats[1])):
                 batch = build_forward_batch(spans, 4, torch.device("cpu"))
                 got.append(head(target.model.embed_tokens(batch.input_ids), f, batch, kv, backend, rotary).float())
         head._stack = stack
-        outs.append(got + [kv.data.float()])
+        return got + [kv.data.float()]
+
+    outs = [run(True, frontier), run(False, frontier)]
     for a, b in zip(*outs):  # bf16: RoPE tables are float32 natively, bf16 in Python; roundings spread
         assert ((a - b).norm() / b.norm()).item() < tol, ((a - b).norm() / b.norm()).item()
-    # the masked scratch key matters: the frontier's two rows differ from an unmasked run
-    assert not torch.allclose(outs[0][2][0], outs[0][2][1])
+    # the stack applies the frontier's mask over the scratch key: unmasked, the rows come out otherwise
+    unmasked = [SeqSpan(sp.token_ids, sp.num_cached, sp.block_table, positions=sp.positions, num_masked_cached=1,
+                        tree_mask=torch.ones(2, 3, dtype=torch.bool)) for sp in frontier]
+    seen_all = run(True, unmasked)[2]
+    assert ((seen_all - outs[0][2]).norm() / outs[0][2].norm()).item() > 10 * tol

@@ -108,14 +108,9 @@ class LlamaForCausalLM(nn.Module):
     def prepack(self, native: bool = True) -> int:
         """Set up the fast CPU paths: every linear's, and the native decode stack."""
         packed = sum(m.prepack(native) for m in self.modules() if isinstance(m, Linear))
-        mod = kernels.native() if native else None
-        if mod is not None and not self.config.mlp_bias and self.lm_head.weight.dtype in FAST_DTYPES:
-            self._stack = self._build_stack(mod)
-            self._stack_max_rows = min(m.native_max_rows for m in self.model.modules() if isinstance(m, Linear))
+        self._stack, self._stack_max_rows = native_stack(self.model.layers, self.model.norm, self.config,
+                                                         self.lm_head.weight.dtype, native)
         return packed
-
-    def _build_stack(self, mod):
-        return build_decode_stack(mod, self.model.layers, self.model.norm, self.config)
 
     def _native_forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """The whole stack in one native call (decode-sized batches on the CPU)."""
@@ -123,18 +118,25 @@ class LlamaForCausalLM(nn.Module):
                                     self.model.rotary)
 
 
-def build_decode_stack(mod, layers, final_norm, cfg: ModelConfig):
-    """The native DecodeStack over prepacked `layers`; a layer whose input norm is not an RMSNorm
-    (the EAGLE head's nn.Identity), or a `final_norm` of None, is passed as an empty weight: no norm."""
+def native_stack(layers, final_norm, cfg: ModelConfig, dtype: torch.dtype, native: bool = True):
+    """(the native DecodeStack over prepacked `layers`, the most rows a call may carry: what
+    their linears take natively), or (None, 0) where the native kernels cannot run them. A layer
+    whose input norm is not an RMSNorm (the EAGLE head's nn.Identity), or a `final_norm` of
+    None, is passed as an empty weight: no norm."""
+    mod = kernels.native() if native else None
+    if mod is None or cfg.mlp_bias or dtype not in FAST_DTYPES:
+        return None, 0
+    rows = min(m.native_max_rows for layer in layers for m in layer.modules() if isinstance(m, Linear))
     none = torch.empty(0)
     bias = lambda lin: lin.bias.data if lin.bias is not None else none  # noqa: E731
     norm = lambda n: n.weight.data if isinstance(n, RMSNorm) else none  # noqa: E731
-    return mod.DecodeStack(
+    stack = mod.DecodeStack(
         [norm(l.input_layernorm) for l in layers], [l.self_attn.qkv_proj.native_weight for l in layers],
         [bias(l.self_attn.qkv_proj) for l in layers], [l.self_attn.o_proj.native_weight for l in layers],
         [bias(l.self_attn.o_proj) for l in layers], [l.post_attention_layernorm.weight.data for l in layers],
         [l.mlp.gate_up_proj.native_weight for l in layers], [l.mlp.down_proj.native_weight for l in layers],
         norm(final_norm), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.head_dim ** -0.5)
+    return stack, rows
 
 
 def native_stack_forward(stack, h: torch.Tensor, batch: ForwardBatch, kv: KVCache, rotary) -> torch.Tensor:

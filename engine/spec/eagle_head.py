@@ -23,11 +23,10 @@ from torch import nn
 from engine.attention import AttentionBackend
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVCache
-from engine import kernels
-from engine.layers import FAST_DTYPES, Linear
+from engine.layers import Linear
 from engine.loader import ModelLoadError, fill_parameters
 from engine.model_config import ModelConfig
-from engine.models.llama import DecoderLayer, LlamaForCausalLM, build_decode_stack, native_stack_forward
+from engine.models.llama import DecoderLayer, LlamaForCausalLM, native_stack, native_stack_forward
 
 
 class EagleHead(nn.Module):
@@ -61,8 +60,8 @@ class EagleHead(nn.Module):
         """embeds, features: [T, h] -> predicted next features [T, h]."""
         x = self.fc(torch.cat([embeds, features], dim=-1))
         if self._stack is not None and x.shape[0] <= self._stack_max_rows and backend.name == "native":
-            # one native call instead of ~15 Python-level ops (about 1 ms of a ~1.4 ms draft level
-            # at one sequence on the 2-core CPU)
+            # one native call instead of ~15 Python-level ops (0.2 ms of a 1.65 ms one-level draft
+            # at one sequence on the 2-core CPU: bench_spec --python-head, eagle_v7.json)
             return native_stack_forward(self._stack, x, batch, kv, rotary)
         batch.cos, batch.sin = rotary.lookup(batch.positions, x.dtype)
         h, residual = self.layer(x, None, batch, kv, backend)
@@ -72,11 +71,7 @@ class EagleHead(nn.Module):
         """Prepack every linear; with the native kernels, the layer becomes a one-layer DecodeStack
         (no input norm, no final norm) for batches of up to as many rows as its linears take."""
         packed = sum(m.prepack(native) for m in self.modules() if isinstance(m, Linear))
-        mod = kernels.native() if native else None
-        cfg = self.config
-        if mod is not None and not cfg.mlp_bias and self.fc.weight.dtype in FAST_DTYPES:
-            self._stack = build_decode_stack(mod, [self.layer], None, cfg)
-            self._stack_max_rows = min(m.native_max_rows for m in self.layer.modules() if isinstance(m, Linear))
+        self._stack, self._stack_max_rows = native_stack([self.layer], None, self.config, self.fc.weight.dtype, native)
         return packed
 
 
