@@ -69,6 +69,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--ngram", default="4x3,8x7", help="ngram configs, total_tokens x depth")
     ap.add_argument("--eagle2", default="24x5x4", help="eagle2 shapes, comma-separated total_tokens x depth [x top_k]")
     ap.add_argument("--budget", default=None, help="also eagle2 with the load-aware tree budget, up to this shape")
+    ap.add_argument("--budget-guard-z", default="",
+                    help="also the budget with these guard_z values (comma-separated; 0 = the guard's plain "
+                         "comparison of its running rates, before its significance margin)")
     ap.add_argument("--full-vocab", action="store_true",
                     help="also the first eagle2 shape with the head's reduced draft vocabulary switched off")
     ap.add_argument("--python-head", action="store_true",
@@ -152,11 +155,13 @@ def phase_snapshot(timings) -> tuple[float, float, float, int]:
 
 
 def spec_system(spec: SpecConfig, args, budget: bool = False, full_vocab: bool = False,
-                python_head: bool = False) -> bd.System:
-    """Our engine with `spec` (a fixed tree, or the tree budget); run() adds the request's spec
-    counters and phase seconds."""
+                python_head: bool = False, guard_z: float | None = None) -> bd.System:
+    """Our engine with `spec` (a fixed tree, or the tree budget, guard_z: its guard's margin
+    where not the default); run() adds the request's spec counters and phase seconds."""
     llm = LLM(None, dtype=args.dtype, spec=spec, draft=args.draft if spec.uses_head else None,
               kv_cache_tokens=KV_CACHE_TOKENS, tree_budget=budget)
+    if guard_z is not None:
+        llm.budget.guard_z = guard_z
     if full_vocab:
         llm.runner.drafter.head.lm_head = None  # rank the whole vocabulary through the target's LM head
     if python_head:
@@ -175,14 +180,19 @@ def spec_system(spec: SpecConfig, args, budget: bool = False, full_vocab: bool =
         r.update(verify_steps=s.verify_steps, draft_tokens=s.draft_tokens, accepted_tokens=s.accepted_tokens,
                  accepted_per_depth=list(s.accepted_per_depth), forwards=steps,
                  draft_s=draft, verify_s=verify, accept_s=accept)
+        b = llm.budget
+        if b is not None:  # cumulative: rounds chosen, of them drafting, turned plain by the guard
+            r.update(budget_rounds=b.rounds, budget_spec_rounds=b.spec_rounds, budget_guarded=b.guarded,
+                     budget_model_probes=b.model_probes)
         return r
 
     info = {"spec": {k: getattr(spec, k) for k in ("method", "total_tokens", "depth", "top_k")},
             "max_depth": spec.max_depth, "draft": llm.engine_config.draft, "eos_token_ids": sorted(eos),
             "tree_budget": budget, "full_vocab": full_vocab, "python_head": python_head,
+            "guard_z": llm.budget.guard_z if llm.budget is not None else None,
             "cost_profile": llm.cost_profile}
     name = (spec_name(spec) + ("-budget" if budget else "") + ("-fullvocab" if full_vocab else "")
-            + ("-pyhead" if python_head else ""))
+            + ("-pyhead" if python_head else "") + (f"-z{guard_z:g}" if guard_z is not None else ""))
     return bd.System(name, "ours", args.dtype, run, info)
 
 
@@ -211,6 +221,8 @@ def build_systems(args, eos_id: int) -> list[bd.System]:
         systems += [spec_system(spec, args, python_head=True) for spec in specs if spec.method == "eagle2"][:1]
     if args.budget and args.draft:
         systems.append(spec_system(spec_from_shape("eagle2", args.budget), args, budget=True))
+        systems += [spec_system(spec_from_shape("eagle2", args.budget), args, budget=True, guard_z=float(z))
+                    for z in args.budget_guard_z.split(",") if z.strip()]
     if "hf" in args.methods or "llamacpp" in args.methods:
         bd.build_hf_dir(args.hf_dir)  # convert_gguf.sh reads it too
     if "hf" in args.methods:

@@ -34,7 +34,8 @@ chosen only where it models `min_gain` over plain.
 The model can still be wrong (its cost curves are learnt from noisy rounds, the confidences are
 an average), so a measured guard sits on top: per batch size, running averages of the tokens
 per second that pure decode rounds actually gave, plain and speculating. Where the budget would
-speculate but its speculating rounds measured slower than its plain rounds, it decodes plainly
+speculate but its speculating rounds measured slower than its plain rounds (by more than the
+averages' noise: `guard_verdict`), it decodes plainly
 (prefill rounds included) and probes speculation every `guard_probe` rounds; a batch size
 without a verdict of its own takes the largest smaller one's, unprobed. Plain rounds are
 explored more often until each batch size has `guard_min` of them. Rounds that carry a prefill
@@ -240,7 +241,7 @@ class TreeBudget:
     def __init__(self, costs: CostModel, max_tree_tokens: int, prior: tuple[float, ...] = (),
                  ema: float = 0.02, explore_every: int = 32, cost_rate: float = 0.1, max_depth: int | None = None,
                  research_every: int = 8, min_gain: float = 0.05, guard_min: int = 8, guard_probe: int = 64,
-                 guard_ema: float = 0.1, spec_with_prefill: bool = False, model_probe_every: int = 16,
+                 guard_ema: float = 0.1, guard_z: float = 1.0, spec_with_prefill: bool = False, model_probe_every: int = 16,
                  model_probe_margin: float = 0.1, model_probe_max_seqs: int = 4):
         """max_tree_tokens: the configured tree (the most a round may verify); prior: node
         confidences (best first) assumed before any round is seen; explore_every: when
@@ -254,7 +255,9 @@ class TreeBudget:
         guard_min: measured pure-decode rounds of each kind (plain, speculating) a batch size
         needs before the measured guard overrides the model (0: no guard); guard_probe: while
         the guard holds speculation off, speculate every this many rounds to keep measuring it;
-        guard_ema: the running averages' step; spec_with_prefill: speculate in rounds that also
+        guard_ema: the running averages' step; guard_z: how many standard errors of the
+        difference speculation must measure below plain before the guard overrides the model
+        (`guard_verdict`); spec_with_prefill: speculate in rounds that also
         carry a prefill chunk (off: such rounds decode plainly; at 4 clients they took 120 ms
         with trees against 37 ms without, for 1.4 more tokens: bench/bench_round_kinds.py);
         model_probe_every: where the model itself picks plain decoding at up to
@@ -292,11 +295,14 @@ class TreeBudget:
         self.last_depths: list[int | None] = []
         self.last_modelled: tuple[float, float] = (0.0, 0.0)  # (chosen, plain) tokens per second
         self.guard_min, self.guard_probe, self.guard_ema = guard_min, guard_probe, guard_ema
+        self.guard_z = guard_z
         self.spec_with_prefill = spec_with_prefill
         self.model_probe_every, self.model_probe_margin = model_probe_every, model_probe_margin
         self.model_probe_max_seqs = model_probe_max_seqs
         self.model_probes = 0  # rounds that drafted where the model chose plain (model_probe_every)
-        # batch size -> {"plain" | "spec": [tokens per second (running average), rounds]}
+        # batch size -> {"plain" | "spec": [tokens per second (running average), rounds,
+        # running variance of one round's rate, sum of the average's squared weights, the
+        # round of its last sample]}
         self.measured: dict[int, dict[str, list[float]]] = {}
         self.guarded = 0  # rounds the guard turned plain
         self.spec_rounds = 0  # rounds that drafted (the choice, its probes and explorations)
@@ -347,19 +353,54 @@ class TreeBudget:
         n, prefill, kind = pending
         if prefill or kind not in ("plain", "spec"):
             return
-        entry = self.measured.setdefault(n, {}).setdefault(kind, [0.0, 0])
+        entry = self.measured.setdefault(n, {}).setdefault(kind, [0.0, 0, 0.0, 1.0, 0])
         rate = committed / max(seconds - catchup, 1e-9)
-        entry[0] = rate if not entry[1] else entry[0] + self.guard_ema * (rate - entry[0])
+        entry[4] = self.rounds
+        if not entry[1]:
+            entry[0], entry[2], entry[3] = rate, 0.0, 1.0
+        else:  # exponentially weighted mean and variance, and the sum of the weights' squares
+            a = self.guard_ema
+            diff = rate - entry[0]
+            entry[0] += a * diff
+            entry[2] = (1.0 - a) * (entry[2] + a * diff * diff)
+            entry[3] = (1.0 - a) ** 2 * entry[3] + a * a
         entry[1] += 1
 
     def guard_verdict(self, n: int) -> bool | None:
         """This batch size's own measurement: True where speculating rounds gave fewer tokens
-        per second than plain ones, False where more, None before guard_min of each."""
+        per second than plain ones by more than guard_z standard errors of the difference,
+        False otherwise (the model's choice stands), None before guard_min of each.
+
+        The margin is what makes the guard safe at small batches: one sequence's speculating
+        round gives 1, 2 or 3 tokens, so its rate swings by half its mean from round to round,
+        and the running average lags: while the guard holds speculation off it moves only at
+        probes, so an average that one unlucky run left under plain's stayed there for hundreds
+        of rounds. Simulated (tests/test_scheduler.py,
+        test_guard_needs_a_significant_loss_to_override_the_model): a tree 18% faster than
+        plain with such rounds was held off in ~half the rounds by the plain comparison. At
+        larger batches a round's tokens are a sum over its sequences, the standard error
+        shrinks, and the guard is as sharp as before; deterministic rates need no margin."""
         m = self.measured.get(n, {})
         plain, spec = m.get("plain"), m.get("spec")
         if not (self.guard_min and plain and spec and plain[1] >= self.guard_min and spec[1] >= self.guard_min):
             return None
-        return spec[0] < plain[0]
+        se2 = self._se2(plain) + self._se2(spec)
+        return plain[0] - spec[0] > self.guard_z * se2 ** 0.5
+
+    def _se2(self, entry: list) -> float:
+        """Squared standard error of a measured guard entry's running average: its variance
+        times the sum of its samples' squared weights, plus the drift since its last sample. An
+        exponential average with step a is what tracks a rate that drifts by a variance of
+        a^2 / (1 - a) of one round's per round; an average not updated for k rounds (the
+        speculating one while the guard holds speculation off, but for probes) is uncertain by
+        k times that more, so a verdict that rested on an unlucky run lapses after a while and
+        the model's choice is measured again; a clear one holds. An entry without the spread,
+        [rate, rounds], counts as exact."""
+        if len(entry) < 5:
+            return 0.0
+        a = self.guard_ema
+        stale = max(self.rounds - entry[4], 0) * a * a / (1.0 - a) if a < 1.0 else 0.0
+        return entry[2] * (entry[3] + stale)
 
     def _guard(self, n: int) -> tuple[bool, bool]:
         """(plain, inherited): speculation measured slower than plain decoding at this batch
