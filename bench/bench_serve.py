@@ -57,7 +57,7 @@ def parse_args(argv=None):
     ap.add_argument("--engines", default="on,off",
                     help="on, off, and on-plain: the 'on' engine (head loaded, its state kept every round) "
                          "with a tree budget that never speculates, to separate the head's bookkeeping from "
-                         "the budget's choices")
+                         "the budget's choices; on-z<Z>: 'on' with the guard's margin at Z standard errors")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "serve.json"))
     return ap.parse_args(argv)
 
@@ -277,15 +277,27 @@ def plot(path, summary) -> bool:
 def build_engine(kind: str, draft: str | None = None, dtype: str = "bfloat16", kv_cache_tokens: int = 65536) -> LLM:
     """The default model as these benchmarks compare it: "on" (the head at `draft`, default the
     shipped one, EAGLE-2 with the tree budget), "off" (--spec none), "on-plain" ("on" whose
-    budget never speculates: the head loaded and kept in step, nothing drafted)."""
+    budget never speculates: the head loaded and kept in step, nothing drafted), "on-z<Z>" ("on"
+    whose measured guard overrides the model at Z standard errors instead of its default; on-z0:
+    the guard's plain comparison of its running rates)."""
     common = dict(dtype=dtype, kv_cache_tokens=kv_cache_tokens)
     if kind == "off":
         return LLM(None, spec=SpecConfig("none"), **common)
-    if kind not in ("on", "on-plain"):
-        raise SystemExit(f"unknown engine {kind!r} (on, off, on-plain)")
+    z = None
+    if kind.startswith("on-z"):
+        try:
+            z = float(kind[4:])
+        except ValueError:
+            z = None
+        if z is None or z < 0:
+            raise SystemExit(f"bad engine {kind!r}: on-z<Z> takes a number Z >= 0")
+    elif kind not in ("on", "on-plain"):
+        raise SystemExit(f"unknown engine {kind!r} (on, off, on-plain, on-z<Z>)")
     llm = LLM(None, draft=draft or default_draft_path(), spec=SpecConfig("eagle2"), **common)
     if kind == "on-plain":
         llm.budget.min_gain = float("inf")  # models no tree as a gain: always plain
+    if z is not None:
+        llm.budget.guard_z = z
     return llm
 
 
@@ -309,8 +321,8 @@ def main(argv=None):
             print(f"| {c} | {e['on']['tok_s']:.1f} | {e['off']['tok_s']:.1f} | {e['on_off_ratio_median']:.2f} | "
                   f"{e['on']['ttft_p50']:.3f} / {e['off']['ttft_p50']:.3f} | "
                   f"{e['on']['itl_p50']:.4f} / {e['off']['itl_p50']:.4f} |")
-            if "on-plain" in e:
-                print(f"|   on-plain | {e['on-plain']['tok_s']:.1f} | | {e['on-plain_off_ratio_median']:.2f} | | |")
+            for eng in (k for k in e if k.startswith("on-") and not k.endswith("_median")):
+                print(f"|   {eng} | {e[eng]['tok_s']:.1f} | | {e[f'{eng}_off_ratio_median']:.2f} | | |")
     result = {"config": vars(args), "draft": draft, "torch_threads": torch.get_num_threads(),
               "cost_profile_on": engines["on"].cost_profile, "summary": summary, "rows": rows,
               # the tree budget's cost model after the sweep's online corrections
@@ -322,6 +334,11 @@ def main(argv=None):
               "head_catchup_seconds": {name: e.runner.catchup_seconds for name, e in engines.items()},
               # the measured guard: per batch size, pure decode rounds' tokens/s (running average, rounds)
               "guard_measured": {str(n): m for n, m in sorted(engines["on"].budget.measured.items())},
+              # every budget engine's counters (on, and on-plain / on-z<Z> where run)
+              "budget_rounds_by_engine": {name: {"chosen": e.budget.rounds, "speculating": e.budget.spec_rounds,
+                                                 "guarded_plain": e.budget.guarded,
+                                                 "guard_z": e.budget.guard_z}
+                                          for name, e in engines.items() if e.budget is not None},
               "source_digest": source, "source_changed": source != bd.source_digest(), "git_head": bd.git_head()}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
