@@ -366,7 +366,7 @@ class TreeBudget:
             entry[3] = (1.0 - a) ** 2 * entry[3] + a * a
         entry[1] += 1
 
-    def guard_verdict(self, n: int) -> bool | None:
+    def guard_verdict(self, n: int, stale: bool = True) -> bool | None:
         """This batch size's own measurement: True where speculating rounds gave fewer tokens
         per second than plain ones by more than guard_z standard errors of the difference,
         False otherwise (the model's choice stands), None before guard_min of each.
@@ -384,10 +384,10 @@ class TreeBudget:
         plain, spec = m.get("plain"), m.get("spec")
         if not (self.guard_min and plain and spec and plain[1] >= self.guard_min and spec[1] >= self.guard_min):
             return None
-        se2 = self._se2(plain) + self._se2(spec)
+        se2 = self._se2(plain, stale) + self._se2(spec, stale)
         return plain[0] - spec[0] > self.guard_z * se2 ** 0.5
 
-    def _se2(self, entry: list) -> float:
+    def _se2(self, entry: list, stale: bool = True) -> float:
         """Squared standard error of a measured guard entry's running average: its variance
         times the sum of its samples' squared weights, plus the drift since its last sample. An
         exponential average with step a is what tracks a rate that drifts by a variance of
@@ -395,12 +395,14 @@ class TreeBudget:
         speculating one while the guard holds speculation off, but for probes) is uncertain by
         k times that more, so a verdict that rested on an unlucky run lapses after a while and
         the model's choice is measured again; a clear one holds. An entry without the spread,
-        [rate, rounds], counts as exact."""
+        [rate, rounds], counts as exact. stale=False leaves the drift out: a verdict a larger
+        batch size inherits (`_guard`) holds as it was measured, unprobed, as before the margin
+        (a lapse there would draft every sequence of the larger batch, backlogs included)."""
         if len(entry) < 5:
             return 0.0
         a = self.guard_ema
-        stale = max(self.rounds - entry[4], 0) * a * a / (1.0 - a) if a < 1.0 else 0.0
-        return entry[2] * (entry[3] + stale)
+        drift = max(self.rounds - entry[4], 0) * a * a / (1.0 - a) if stale and a < 1.0 else 0.0
+        return entry[2] * (entry[3] + drift)
 
     def _guard(self, n: int) -> tuple[bool, bool]:
         """(plain, inherited): speculation measured slower than plain decoding at this batch
@@ -411,7 +413,7 @@ class TreeBudget:
         if own is not None:
             return own, False
         for m in sorted((k for k in self.measured if k < n), reverse=True):
-            verdict = self.guard_verdict(m)
+            verdict = self.guard_verdict(m, stale=False)
             if verdict is not None:
                 return verdict, True
         return False, True

@@ -458,6 +458,13 @@ def test_guard_needs_a_significant_loss_to_override_the_model():
     assert all(f > 0.7 for f, _ in (_noisy_guard_run(0.3, 25.0, seed, **kw) for seed in range(2)))
     assert all(f < 0.6 for f, _ in (_noisy_guard_run(0.3, 25.0, seed, guard_z=0.0, **kw) for seed in range(2)))
     assert all(f < 0.12 for f, _ in (_noisy_guard_run(0.3, 30.0, seed, **kw) for seed in range(2)))
+    # a verdict whose speculating average went stale lapses (the model's choice is measured
+    # again); the same verdict inherited by a larger batch size holds
+    b = TreeBudget(CostModel([(1, 0.010), (64, 0.0105)], [(1, 0.001), (64, 0.002)]), 8, guard_min=8)
+    b.measured[4] = {"plain": [1000.0, 50, 100.0 ** 2, 0.053, 0], "spec": [800.0, 50, 400.0 ** 2, 0.053, 0]}
+    assert b.guard_verdict(4) is True and b.guard_says_plain(8)
+    b.rounds = 400  # 400 rounds without a sample: 200 tok/s apart is within the drift now
+    assert b.guard_verdict(4) is False and b.guard_verdict(4, stale=False) is True and b.guard_says_plain(8)
 
 
 def test_plain_rounds_carry_their_per_round_cost_to_larger_forwards():
