@@ -295,7 +295,7 @@ def build_engine(kind: str, draft: str | None = None, dtype: str = "bfloat16", k
         raise SystemExit(f"unknown engine {kind!r} (on, off, on-plain, on-z<Z>)")
     llm = LLM(None, draft=draft or default_draft_path(), spec=SpecConfig("eagle2"), **common)
     if kind == "on-plain":
-        llm.budget.min_gain = float("inf")  # models no tree as a gain: always plain
+        llm.budget.min_gain = llm.budget.min_gain_one = float("inf")  # models no tree as a gain: always plain
     if z is not None:
         llm.budget.guard_z = z
     return llm

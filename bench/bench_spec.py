@@ -72,6 +72,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--budget-guard-z", default="",
                     help="also the budget with these guard_z values (comma-separated; 0 = the guard's plain "
                          "comparison of its running rates, before its significance margin)")
+    ap.add_argument("--budget-min-gain", default="",
+                    help="also the budget with these min_gain values (comma-separated)")
     ap.add_argument("--full-vocab", action="store_true",
                     help="also the first eagle2 shape with the head's reduced draft vocabulary switched off")
     ap.add_argument("--python-head", action="store_true",
@@ -155,13 +157,17 @@ def phase_snapshot(timings) -> tuple[float, float, float, int]:
 
 
 def spec_system(spec: SpecConfig, args, budget: bool = False, full_vocab: bool = False,
-                python_head: bool = False, guard_z: float | None = None) -> bd.System:
-    """Our engine with `spec` (a fixed tree, or the tree budget, guard_z: its guard's margin
-    where not the default); run() adds the request's spec counters and phase seconds."""
+                python_head: bool = False, guard_z: float | None = None,
+                min_gain: float | None = None) -> bd.System:
+    """Our engine with `spec` (a fixed tree, or the tree budget, guard_z / min_gain: its guard's
+    margin / the model's required gain where not the defaults); run() adds the request's spec
+    counters and phase seconds."""
     llm = LLM(None, dtype=args.dtype, spec=spec, draft=args.draft if spec.uses_head else None,
               kv_cache_tokens=KV_CACHE_TOKENS, tree_budget=budget)
     if guard_z is not None:
         llm.budget.guard_z = guard_z
+    if min_gain is not None:
+        llm.budget.min_gain = min_gain
     if full_vocab:
         llm.runner.drafter.head.lm_head = None  # rank the whole vocabulary through the target's LM head
     if python_head:
@@ -190,9 +196,11 @@ def spec_system(spec: SpecConfig, args, budget: bool = False, full_vocab: bool =
             "max_depth": spec.max_depth, "draft": llm.engine_config.draft, "eos_token_ids": sorted(eos),
             "tree_budget": budget, "full_vocab": full_vocab, "python_head": python_head,
             "guard_z": llm.budget.guard_z if llm.budget is not None else None,
+            "min_gain": llm.budget.min_gain if llm.budget is not None else None,
             "cost_profile": llm.cost_profile}
     name = (spec_name(spec) + ("-budget" if budget else "") + ("-fullvocab" if full_vocab else "")
-            + ("-pyhead" if python_head else "") + (f"-z{guard_z:g}" if guard_z is not None else ""))
+            + ("-pyhead" if python_head else "") + (f"-z{guard_z:g}" if guard_z is not None else "")
+            + (f"-mg{min_gain:g}" if min_gain is not None else ""))
     return bd.System(name, "ours", args.dtype, run, info)
 
 
@@ -223,6 +231,8 @@ def build_systems(args, eos_id: int) -> list[bd.System]:
         systems.append(spec_system(spec_from_shape("eagle2", args.budget), args, budget=True))
         systems += [spec_system(spec_from_shape("eagle2", args.budget), args, budget=True, guard_z=float(z))
                     for z in args.budget_guard_z.split(",") if z.strip()]
+        systems += [spec_system(spec_from_shape("eagle2", args.budget), args, budget=True, min_gain=float(g))
+                    for g in args.budget_min_gain.split(",") if g.strip()]
     if "hf" in args.methods or "llamacpp" in args.methods:
         bd.build_hf_dir(args.hf_dir)  # convert_gguf.sh reads it too
     if "hf" in args.methods:

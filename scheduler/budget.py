@@ -29,7 +29,7 @@ depth, shared by all sequences (a sequence's own last round predicts its next ro
 per-sequence confidences get nodes added best-first across the batch instead. `c` is a running
 calibration (accepted / predicted), learned from every verified round. Plain decoding is one of
 the candidates, so the modelled throughput never drops below plain decoding, and a tree is
-chosen only where it models `min_gain` over plain.
+chosen only where it models `min_gain` over plain (`min_gain_one` at a single sequence).
 
 The model can still be wrong (its cost curves are learnt from noisy rounds, the confidences are
 an average), so a measured guard sits on top: per batch size, running averages of the tokens
@@ -240,7 +240,8 @@ def _interp(points: list[tuple[int, float]], x: float) -> float:
 class TreeBudget:
     def __init__(self, costs: CostModel, max_tree_tokens: int, prior: tuple[float, ...] = (),
                  ema: float = 0.02, explore_every: int = 32, cost_rate: float = 0.1, max_depth: int | None = None,
-                 research_every: int = 8, min_gain: float = 0.05, guard_min: int = 8, guard_probe: int = 64,
+                 research_every: int = 8, min_gain: float = 0.05, min_gain_one: float = 0.0,
+                 guard_min: int = 8, guard_probe: int = 64,
                  guard_ema: float = 0.1, guard_z: float = 1.0, spec_with_prefill: bool = False, model_probe_every: int = 16,
                  model_probe_margin: float = 0.1, model_probe_max_seqs: int = 4):
         """max_tree_tokens: the configured tree (the most a round may verify); prior: node
@@ -252,7 +253,12 @@ class TreeBudget:
         choice is reused for the same batch size and prefill (1: searched every round);
         min_gain: speculate only where the model gains at least this fraction over plain (its
         error on these machines is about that: a 0-5% modelled gain lost 5-9% at 4 clients);
-        guard_min: measured pure-decode rounds of each kind (plain, speculating) a batch size
+        min_gain_one: the same for a single decoding sequence, where the measured guard (its
+        margin scaled to one sequence's noise) and the model probes catch a wrong choice within
+        a few dozen rounds, and a margin only forgoes gains: with bench_spec's 20 prompts in one
+        run the budget at 5% drafted 632 rounds for 1.02x / 1.12x (MT-bench / HumanEval), at 0
+        1325 rounds for 1.17x / 1.12x, where the fixed 3-token tree ran 1.16x / 1.14x
+        (bench/results/eagle_min_gain.json); guard_min: measured pure-decode rounds of each kind (plain, speculating) a batch size
         needs before the measured guard overrides the model (0: no guard); guard_probe: while
         the guard holds speculation off, speculate every this many rounds to keep measuring it;
         guard_ema: the running averages' step; guard_z: how many standard errors of the
@@ -270,7 +276,7 @@ class TreeBudget:
         last 10, and ran at 1.08x where the fixed 3-token tree ran at 1.18x). Larger batches are not probed this way: a
         probe after a while of plain rounds pays every sequence's backlog of head pairs."""
         self.costs = costs
-        self.min_gain = min_gain
+        self.min_gain, self.min_gain_one = min_gain, min_gain_one
         self.research_every = research_every
         self.max_tree = max_tree_tokens
         self.max_depth = max_depth
@@ -493,6 +499,10 @@ class TreeBudget:
         self.last_depths = [d if d and self.max_depth else None for d in deep]
         return sizes
 
+    def _min_gain(self, n: int) -> float:
+        """The modelled gain a tree must show over plain decoding at n decoding sequences."""
+        return self.min_gain_one if n == 1 else self.min_gain
+
     def _search_shared(self, n: int, prefill: int):
         c = self.calibration
         verify = self.costs.verify
@@ -525,7 +535,7 @@ class TreeBudget:
                     spec_best = (r, d, n * t)
         # speculation must beat plain by min_gain at a whole tree per sequence; only then is the
         # size refined (sequences taking one node more or less)
-        pays = spec_best[0] > plain * (1 + self.min_gain)
+        pays = spec_best[0] > plain * (1 + self._min_gain(n))
         if spec_best[2]:
             d, t = spec_best[1], spec_best[2] // n
             for k in range(n * (t - 1) + 1, min(n * (t + 1), n * min(top, drafted[d - 1]))):
@@ -613,7 +623,7 @@ class TreeBudget:
         levels = [0] * ((self.max_depth or 1) + 1)  # levels[l]: sequences drafting level l
         level_cost = self.costs.level
         plain = n / max(self.costs.verify(prefill + n), 1e-12)
-        best_rate, best_k = plain * (1 + self.min_gain), 0
+        best_rate, best_k = plain * (1 + self._min_gain(n)), 0
         tokens, emitted, drafting = prefill + n, float(n), 0.0
         for k, (g, s, d) in enumerate(gains, 1):
             sizes[s] += 1

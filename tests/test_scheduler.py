@@ -613,15 +613,21 @@ def test_shared_budget_reuses_its_search_for_a_few_rounds():
     assert b.choose([()] * 2, [8] * 2) == [1, 1]  # another batch size is its own search
 
 
-@pytest.mark.parametrize("min_gain,expect", [(0.05, [1]), (0.0, [2])])
-def test_budget_speculates_only_past_a_minimum_modelled_gain(min_gain, expect):
-    costs = CostModel([(1, 0.010), (64, 0.0101)], [(1, 0.0045), (8, 0.01)], [(1, 0.004), (8, 0.009)], depth=2)
-    b = TreeBudget(costs, 4, max_depth=2, explore_every=0, cost_rate=0, ema=1.0, min_gain=min_gain)
+@pytest.mark.parametrize("n,min_gain,min_gain_one,drafts", [
+    (1, 0.05, 0.05, False), (1, 0.05, 0.0, True), (2, 0.05, 0.0, False), (2, 0.0, 0.0, True)])
+def test_budget_speculates_only_past_a_minimum_modelled_gain(n, min_gain, min_gain_one, drafts):
+    """A tree modelled 3% over plain runs only where the required gain is below that: min_gain
+    for batches, min_gain_one (default 0) for a single sequence."""
+    costs = CostModel([(1, 0.010), (64, 0.0101)], [(1, 0.0045), (8, 0.0045)], [(1, 0.004), (8, 0.004)], depth=2)
+    b = TreeBudget(costs, 4, max_depth=2, explore_every=0, cost_rate=0, ema=1.0, min_gain=min_gain,
+                   min_gain_one=min_gain_one)
     b.observe((0.442,), 2, 0, (1,), drafted_depth=2)
     b.calibration = 1.0  # one node at 0.442 for ~0.0140 s a round: 3% over plain
-    assert b.choose([()], [8]) == expect
+    sizes = b.choose([()] * n, [8] * n)
+    assert sizes == ([2] * n if drafts else [1] * n)
     chosen, plain = b.last_modelled
-    assert chosen >= plain and (chosen / plain > 1.02 if expect == [2] else chosen == plain)
+    assert chosen >= plain and (chosen / plain > 1.02 if drafts else chosen == plain)
+    assert TreeBudget(costs, 4).min_gain_one == 0.0 and TreeBudget(costs, 4).min_gain == 0.05
 
 
 def test_engine_drafts_no_deeper_than_the_step_asks(tiny_llama, head_dir):
