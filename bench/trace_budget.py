@@ -7,7 +7,9 @@ the points one sequence uses, the calibration, the measured guard and the probe 
     .venv/bin/python bench/trace_budget.py [--prompts 24] [--variants probes,no-probes]
 
 `no-probes` sets `model_probe_every = 0` on the budget, which is the budget before model probes
-(the guard then probes every `guard_probe` rounds at every batch size). Each variant gets a
+(the guard then probes every `guard_probe` rounds at every batch size); `old-margins` sets
+`guard_z = 0` and `min_gain_one = min_gain`, the budget before the guard's significance margin
+and before a single sequence needed no modelled gain. Each variant gets a
 fresh engine; the variants run one after the other, so their speeds are not comparable (the
 machine drifts), only what the budget did. Writes bench/results/budget_trace.json.
 """
@@ -47,7 +49,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prompts", type=int, default=24)
     ap.add_argument("--max-new", type=int, default=128)
-    ap.add_argument("--variants", default="probes,no-probes")
+    ap.add_argument("--variants", default="probes,no-probes", help="probes, no-probes, old-margins")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "budget_trace.json"))
     args = ap.parse_args(argv)
     tok = bd.our_tokenizer()
@@ -60,6 +62,8 @@ def main(argv=None) -> None:
                   draft=HEAD, kv_cache_tokens=8192, tree_budget=True)
         if variant == "no-probes":
             llm.budget.model_probe_every = 0
+        elif variant == "old-margins":  # the guard's plain comparison, 5% required at one sequence too
+            llm.budget.guard_z, llm.budget.min_gain_one = 0.0, llm.budget.min_gain
         elif variant != "probes":
             raise SystemExit(f"unknown variant {variant!r}")
         trace = [{"request": None, **state(llm.budget)}]

@@ -243,7 +243,7 @@ class TreeBudget:
                  research_every: int = 8, min_gain: float = 0.05, min_gain_one: float = 0.0,
                  guard_min: int = 8, guard_probe: int = 64,
                  guard_ema: float = 0.1, guard_z: float = 1.0, spec_with_prefill: bool = False, model_probe_every: int = 16,
-                 model_probe_margin: float = 0.1, model_probe_max_seqs: int = 4):
+                 model_probe_margin: float = 0.1, model_probe_max_seqs: int = 4, model_probe_far: int = 4):
         """max_tree_tokens: the configured tree (the most a round may verify); prior: node
         confidences (best first) assumed before any round is seen; explore_every: when
         speculating, run every this many rounds plain, and as many at the full depth (0: never);
@@ -274,7 +274,14 @@ class TreeBudget:
         spell of the machine, or a first-level cost drifted up, left them stale for good (a
         bench_spec run at one sequence drafted in 9 of its first 10 prompts, then in none of the
         last 10, and ran at 1.08x where the fixed 3-token tree ran at 1.18x). Larger batches are not probed this way: a
-        probe after a while of plain rounds pays every sequence's backlog of head pairs."""
+        probe after a while of plain rounds pays every sequence's backlog of head pairs.
+        model_probe_far: a tree modelled further below plain than the margin still runs every
+        model_probe_every x this many rounds (0: never): a cost learnt in a slow spell can price
+        trees out by more than any margin (bench/trace_budget.py on commit 6bce3d2: the first
+        level's cost climbed from the profile's ~1 ms to 5.6 ms in two requests, the margin
+        probes stopped, and the budget drafted in none of the next 16 requests, 133 of 2847
+        rounds in all); a probe moves the cost by a tenth of its error, so a stale one comes
+        back within the margin in a few hundred rounds, at one speculating round in 64."""
         self.costs = costs
         self.min_gain, self.min_gain_one = min_gain, min_gain_one
         self.research_every = research_every
@@ -304,6 +311,7 @@ class TreeBudget:
         self.guard_z = guard_z
         self.spec_with_prefill = spec_with_prefill
         self.model_probe_every, self.model_probe_margin = model_probe_every, model_probe_margin
+        self.model_probe_far = model_probe_far
         self.model_probe_max_seqs = model_probe_max_seqs
         self.model_probes = 0  # rounds that drafted where the model chose plain (model_probe_every)
         # batch size -> {"plain" | "spec": [tokens per second (running average), rounds,
@@ -478,7 +486,9 @@ class TreeBudget:
                 and n <= self.model_probe_max_seqs and at_n % self.model_probe_every == 0:
             # the model prices speculation out here: try its best tree now and then, if it is close
             alt_sizes, alt_deep, alt_rate, alt_plain = self._choose_shared(caps, prefill_tokens, probe=True)
-            if any(x > 1 for x in alt_sizes) and alt_rate >= alt_plain * (1 - self.model_probe_margin):
+            close = alt_rate >= alt_plain * (1 - self.model_probe_margin)
+            far = self.model_probe_far and at_n % (self.model_probe_every * self.model_probe_far) == 0
+            if any(x > 1 for x in alt_sizes) and (close or far):
                 sizes, deep, kind, probe = alt_sizes, alt_deep, "spec", True
                 self.model_probes += 1
         if self.explore_every and kind == "spec" and not probe:

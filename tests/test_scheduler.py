@@ -397,6 +397,30 @@ def test_model_probes_speculation_it_has_priced_out_and_recovers():
     assert not any(kinds)
 
 
+def test_model_probes_a_tree_priced_far_below_plain_now_and_then():
+    """A drafting cost learnt in a slow spell (20 ms where a draft costs 1 ms) prices every tree
+    further below plain than the probes' margin: the margin probes never fire, and without the
+    far probes nothing is drafted again. With them one round in 64 drafts, each moves the cost
+    by a tenth of its error, and once it is back within the margin speculation returns."""
+    true_v = lambda t: 0.010 + 0.0005 * (t - 1)  # noqa: E731
+
+    def run(**kw):
+        stale = CostModel([(1, 0.010), (2, 0.0105), (64, 0.0415)], [(1, 0.020), (8, 0.020)])
+        b = TreeBudget(stale, 2, prior=(0.5,), explore_every=0, guard_min=0, **kw)
+        kinds = []
+        for _ in range(1200):
+            sizes = b.choose([()], [8])
+            kinds.append(sizes[0] > 1)
+            b.observe_round(sum(sizes), int(sizes[0] > 1), true_v(sum(sizes)) + (0.001 if sizes[0] > 1 else 0.0))
+        return b, kinds
+
+    b, kinds = run(model_probe_far=0)
+    assert not any(kinds) and b.model_probes == 0
+    b, kinds = run()
+    assert sum(kinds[:320]) == 5  # one in 64 while the tree models far below plain
+    assert sum(kinds[-100:]) == 100 and b.costs.draft(1) == pytest.approx(0.001, rel=0.2)
+
+
 def test_guard_probes_small_batches_more_often():
     """Where the guard holds speculation off, it probes every guard_probe rounds, and every
     model_probe_every at small batches (a one-round rate is noisy, a wrong verdict must turn
