@@ -73,7 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="also the budget with these guard_z values (comma-separated; 0 = the guard's plain "
                          "comparison of its running rates, before its significance margin)")
     ap.add_argument("--budget-min-gain", default="",
-                    help="also the budget with these min_gain values (comma-separated)")
+                    help="also the budget with these required modelled gains (comma-separated; sets min_gain "
+                         "and min_gain_one)")
     ap.add_argument("--full-vocab", action="store_true",
                     help="also the first eagle2 shape with the head's reduced draft vocabulary switched off")
     ap.add_argument("--python-head", action="store_true",
@@ -166,8 +167,8 @@ def spec_system(spec: SpecConfig, args, budget: bool = False, full_vocab: bool =
               kv_cache_tokens=KV_CACHE_TOKENS, tree_budget=budget)
     if guard_z is not None:
         llm.budget.guard_z = guard_z
-    if min_gain is not None:
-        llm.budget.min_gain = min_gain
+    if min_gain is not None:  # single stream: the margin a single sequence needs, and batches' alike
+        llm.budget.min_gain = llm.budget.min_gain_one = min_gain
     if full_vocab:
         llm.runner.drafter.head.lm_head = None  # rank the whole vocabulary through the target's LM head
     if python_head:
