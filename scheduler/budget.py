@@ -255,10 +255,11 @@ class TreeBudget:
         error on these machines is about that: a 0-5% modelled gain lost 5-9% at 4 clients);
         min_gain_one: the same for a single decoding sequence, where the measured guard (its
         margin scaled to one sequence's noise) and the model probes catch a wrong choice within
-        a few dozen rounds, and a margin only forgoes gains: with bench_spec's 20 prompts in one
-        run the budget at 5% drafted 632 rounds for 1.02x / 1.12x (MT-bench / HumanEval), at 0
-        1325 rounds for 1.17x / 1.12x, where the fixed 3-token tree ran 1.16x / 1.14x
-        (bench/results/eagle_min_gain.json); guard_min: measured pure-decode rounds of each kind (plain, speculating) a batch size
+        a few dozen rounds: with bench_spec's 20 prompts in one run the budget at 5% drafted 632
+        rounds for 1.02x / 1.12x (MT-bench / HumanEval), at 0 1325 rounds for 1.17x / 1.12x,
+        where the fixed 3-token tree ran 1.16x / 1.14x (bench/results/eagle_min_gain.json); a
+        repeat (eagle_budget_final.json) gave 1.00x / 1.10x at 5%, 1.05x / 1.05x at 0: at
+        worst even; guard_min: measured pure-decode rounds of each kind (plain, speculating) a batch size
         needs before the measured guard overrides the model (0: no guard); guard_probe: while
         the guard holds speculation off, speculate every this many rounds to keep measuring it;
         guard_ema: the running averages' step; guard_z: how many standard errors of the
