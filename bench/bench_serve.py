@@ -296,6 +296,7 @@ def build_engine(kind: str, draft: str | None = None, dtype: str = "bfloat16", k
     llm = LLM(None, draft=draft or default_draft_path(), spec=SpecConfig("eagle2"), **common)
     if kind == "on-plain":
         llm.budget.min_gain = llm.budget.min_gain_one = float("inf")  # models no tree as a gain: always plain
+        llm.budget.model_probe_every = 0  # and no probes of what it priced out
     if z is not None:
         llm.budget.guard_z = z
     return llm

@@ -254,12 +254,13 @@ class TreeBudget:
         min_gain: speculate only where the model gains at least this fraction over plain (its
         error on these machines is about that: a 0-5% modelled gain lost 5-9% at 4 clients);
         min_gain_one: the same for a single decoding sequence, where the measured guard (its
-        margin scaled to one sequence's noise) and the model probes catch a wrong choice within
-        a few dozen rounds: with bench_spec's 20 prompts in one run the budget at 5% drafted 632
+        margin scaled to one sequence's noise) and the model probes are there to catch a wrong
+        choice: with bench_spec's 20 prompts in one run the budget at 5% drafted 632
         rounds for 1.02x / 1.12x (MT-bench / HumanEval), at 0 1325 rounds for 1.17x / 1.12x,
         where the fixed 3-token tree ran 1.16x / 1.14x (bench/results/eagle_min_gain.json); a
-        repeat (eagle_budget_final.json) gave 1.00x / 1.10x at 5%, 1.05x / 1.05x at 0: at
-        worst even; guard_min: measured pure-decode rounds of each kind (plain, speculating) a batch size
+        repeat (eagle_budget_final.json) gave 1.00x / 1.10x at 5%, 1.05x / 1.05x at 0: no
+        clear speed difference (the drafting rounds, 1325 vs 632, are what it changes);
+        guard_min: measured pure-decode rounds of each kind (plain, speculating) a batch size
         needs before the measured guard overrides the model (0: no guard); guard_probe: while
         the guard holds speculation off, speculate every this many rounds to keep measuring it;
         guard_ema: the running averages' step; guard_z: how many standard errors of the
@@ -279,10 +280,11 @@ class TreeBudget:
         model_probe_far: a tree modelled further below plain than the margin still runs every
         model_probe_every x this many rounds (0: never): a cost learnt in a slow spell can price
         trees out by more than any margin (bench/trace_budget.py on commit 6bce3d2: the first
-        level's cost climbed from the profile's ~1 ms to 5.6 ms in two requests, the margin
-        probes stopped, and the budget drafted in none of the next 16 requests, 133 of 2847
-        rounds in all); a probe moves the cost by a tenth of its error, so a stale one comes
-        back within the margin in a few hundred rounds, at one speculating round in 64."""
+        level's cost climbed from 0.64 ms to 4.63 ms in the first request and 5.57 ms by the
+        sixth, the margin probes stopped, and the budget drafted in none of requests 6-21, 133
+        of 2847 rounds in all); a probe moves the cost by a tenth of its error, so a stale one
+        comes back within the margin (in the test, 20 ms against a true 1 ms: about a thousand
+        rounds), at one speculating round in 64."""
         self.costs = costs
         self.min_gain, self.min_gain_one = min_gain, min_gain_one
         self.research_every = research_every
