@@ -288,8 +288,8 @@ def build_engine(kind: str, draft: str | None = None, dtype: str = "bfloat16", k
         try:
             z = float(kind[4:])
         except ValueError:
-            z = None
-        if z is None or z < 0:
+            pass
+        if not (z is not None and z >= 0):
             raise SystemExit(f"bad engine {kind!r}: on-z<Z> takes a number Z >= 0")
     elif kind not in ("on", "on-plain"):
         raise SystemExit(f"unknown engine {kind!r} (on, off, on-plain, on-z<Z>)")

@@ -318,8 +318,7 @@ class TreeBudget:
         self.model_probe_max_seqs = model_probe_max_seqs
         self.model_probes = 0  # rounds that drafted where the model chose plain (model_probe_every)
         # batch size -> {"plain" | "spec": [tokens per second (running average), rounds,
-        # running variance of one round's rate, sum of the average's squared weights, the
-        # round of its last sample]}
+        # running variance of one round's rate, the round of its last sample]}
         self.measured: dict[int, dict[str, list[float]]] = {}
         self.guarded = 0  # rounds the guard turned plain
         self.spec_rounds = 0  # rounds that drafted (the choice, its probes and explorations)
@@ -370,17 +369,16 @@ class TreeBudget:
         n, prefill, kind = pending
         if prefill or kind not in ("plain", "spec"):
             return
-        entry = self.measured.setdefault(n, {}).setdefault(kind, [0.0, 0, 0.0, 1.0, 0])
+        entry = self.measured.setdefault(n, {}).setdefault(kind, [0.0, 0, 0.0, 0])
         rate = committed / max(seconds - catchup, 1e-9)
-        entry[4] = self.rounds
+        entry[3] = self.rounds
         if not entry[1]:
-            entry[0], entry[2], entry[3] = rate, 0.0, 1.0
-        else:  # exponentially weighted mean and variance, and the sum of the weights' squares
+            entry[0], entry[2] = rate, 0.0
+        else:  # exponentially weighted mean and variance
             a = self.guard_ema
             diff = rate - entry[0]
             entry[0] += a * diff
             entry[2] = (1.0 - a) * (entry[2] + a * diff * diff)
-            entry[3] = (1.0 - a) ** 2 * entry[3] + a * a
         entry[1] += 1
 
     def guard_verdict(self, n: int, stale: bool = True) -> bool | None:
@@ -406,20 +404,21 @@ class TreeBudget:
 
     def _se2(self, entry: list, stale: bool = True) -> float:
         """Squared standard error of a measured guard entry's running average: its variance
-        times the sum of its samples' squared weights, plus the drift since its last sample. An
-        exponential average with step a is what tracks a rate that drifts by a variance of
-        a^2 / (1 - a) of one round's per round; an average not updated for k rounds (the
-        speculating one while the guard holds speculation off, but for probes) is uncertain by
-        k times that more, so a verdict that rested on an unlucky run lapses after a while and
-        the model's choice is measured again; a clear one holds. An entry without the spread,
-        [rate, rounds], counts as exact. stale=False leaves the drift out: a verdict a larger
-        batch size inherits (`_guard`) holds as it was measured, unprobed, as before the margin
+        times the sum of its samples' squared weights (which the entry's sample count gives:
+        the first sample starts the average, each later one enters with weight a), plus the
+        drift since its last sample. An exponential average with step a is what tracks a rate
+        that drifts by a variance of a^2 / (1 - a) of one round's per round; an average not
+        updated for k rounds (the speculating one while the guard holds speculation off, but
+        for probes) is uncertain by k times that more, so a verdict that rested on an unlucky
+        run lapses after a while and the model's choice is measured again; a clear one holds.
+        stale=False leaves the drift out: a verdict a larger batch size inherits (`_guard`) holds as it was measured, unprobed, as before the margin
         (a lapse there would draft every sequence of the larger batch, backlogs included)."""
-        if len(entry) < 5:
-            return 0.0
         a = self.guard_ema
-        drift = max(self.rounds - entry[4], 0) * a * a / (1.0 - a) if stale and a < 1.0 else 0.0
-        return entry[2] * (entry[3] + drift)
+        r = (1.0 - a) ** 2
+        k = max(entry[1] - 1, 0)  # samples after the first
+        weights = r ** k + (a * a * (1.0 - r ** k) / (1.0 - r) if r < 1.0 else 0.0)
+        drift = max(self.rounds - entry[3], 0) * a * a / (1.0 - a) if stale and a < 1.0 else 0.0
+        return entry[2] * (weights + drift)
 
     def _guard(self, n: int) -> tuple[bool, bool]:
         """(plain, inherited): speculation measured slower than plain decoding at this batch

@@ -428,7 +428,7 @@ def test_guard_probes_small_batches_more_often():
     flat = CostModel([(1, 0.010), (64, 0.0105)], [(1, 0.001), (64, 0.002)])
     for n, every in ((1, 16), (4, 16), (8, 64)):
         b = TreeBudget(flat, 8, explore_every=0, cost_rate=0, guard_min=8, guard_probe=64)
-        b.measured[n] = {"plain": [1000.0, 8], "spec": [800.0, 8]}  # measured: speculation loses here
+        b.measured[n] = {"plain": [1000.0, 8, 0.0, 0], "spec": [800.0, 8, 0.0, 0]}  # measured: speculation loses here
         spec = [any(x > 1 for x in b.choose([()] * n, [8] * n)) for _ in range(256)]
         assert sum(spec) == 256 // every, n
 
@@ -485,7 +485,7 @@ def test_guard_needs_a_significant_loss_to_override_the_model():
     # a verdict whose speculating average went stale lapses (the model's choice is measured
     # again); the same verdict inherited by a larger batch size holds
     b = TreeBudget(CostModel([(1, 0.010), (64, 0.0105)], [(1, 0.001), (64, 0.002)]), 8, guard_min=8)
-    b.measured[4] = {"plain": [1000.0, 50, 100.0 ** 2, 0.053, 0], "spec": [800.0, 50, 400.0 ** 2, 0.053, 0]}
+    b.measured[4] = {"plain": [1000.0, 50, 100.0 ** 2, 0], "spec": [800.0, 50, 400.0 ** 2, 0]}
     assert b.guard_verdict(4) is True and b.guard_says_plain(8)
     b.rounds = 400  # 400 rounds without a sample: 200 tok/s apart is within the drift now
     assert b.guard_verdict(4) is False and b.guard_verdict(4, stale=False) is True and b.guard_says_plain(8)
