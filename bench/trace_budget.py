@@ -52,9 +52,7 @@ def main(argv=None) -> None:
     ap.add_argument("--variants", default="probes,no-probes", help="probes, no-probes, old-margins")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "budget_trace.json"))
     args = ap.parse_args(argv)
-    tok = bd.our_tokenizer()
-    qs, _ = bd.load_questions(bd.mtbench_wheel(None), 80)
-    prompts = [bd.make_prompt(tok, q)["ids"] for q in qs[:args.prompts]]
+    prompts = bd.mtbench_ids(args.prompts, 80)
     params = SamplingParams(max_tokens=args.max_new, temperature=0)
     out = {"command": " ".join(sys.argv), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "variants": {}}
     for variant in args.variants.split(","):

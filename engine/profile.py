@@ -1,9 +1,21 @@
 """Start-up cost profile for the tree budget: seconds of one packed target forward by token
 count, and of one drafting round by number of sequences (at the configured depth, and one level
-deep), measured on this engine and device."""
+deep), measured on this engine and device.
+
+On the CPU the profile also measures the share of the wall time its thread actually ran (the
+calling thread's CPU seconds / wall seconds; that thread is runnable throughout a timed call,
+whatever part of the work runs on one thread or all): another process busy on the same cores
+(a second engine starting, a benchmark, a build) makes every forward look slower, and a profile
+taken then is wrong for the whole run. A profile measured 42 ms for every forward of 1-16 tokens
+that way (10-13 ms normally) and misled the budget for a whole sweep: the online correction
+fixes the curve's level from plain rounds but not its slope over the tree sizes they never run.
+So a contended profile is taken again (`attempts`, `wait` seconds apart) and every point keeps
+its fastest measurement; if every attempt was contended the result says so (`contended`) and
+the engine profiles again when it is next idle (`server.llm.LLM.run_idle`)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 import time
 
@@ -35,9 +47,26 @@ def non_decreasing(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
     return [(x, y) for (x, _), y in zip(points, ys)]
 
 
-def _time(fn, repeats: int) -> float:
+class CpuShare:
+    """Wall and calling-thread CPU seconds of the timed calls: share = cpu / wall, about 1 when
+    the process has its cores to itself, lower when another process takes turns on them."""
+
+    def __init__(self):
+        self.wall = self.cpu = 0.0
+
+    def add(self, wall: float, cpu: float) -> None:
+        self.wall += wall
+        self.cpu += cpu
+
+    @property
+    def share(self) -> float | None:
+        return self.cpu / self.wall if self.wall > 0 else None
+
+
+def _time(fn, repeats: int, meter: CpuShare | None = None) -> float:
     fn()  # warm-up
     out = []
+    c0, w0 = time.thread_time(), time.perf_counter()
     for _ in range(repeats):
         if torch.cuda.is_available():
             torch.cuda.synchronize()
@@ -46,19 +75,77 @@ def _time(fn, repeats: int) -> float:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         out.append(time.perf_counter() - t)
+    if meter is not None:
+        meter.add(time.perf_counter() - w0, time.thread_time() - c0)
     return statistics.median(out)
+
+
+def _fastest(runs: list[list[tuple[int, float]]]) -> list[tuple[int, float]]:
+    """Per x, the fastest time any attempt measured (contention only ever adds time)."""
+    best: dict[int, float] = {}
+    for run in runs:
+        for x, y in run:
+            best[x] = min(y, best.get(x, y))
+    return sorted(best.items())
 
 
 @torch.inference_mode()
 def profile_costs(runner, max_tokens: int, max_seqs: int, context: int = 128, repeats: int = 2,
-                  small_repeats: int = 5) -> dict:
-    """{"verify": [(tokens, s)], "draft": [(seqs, s)], "draft_first": [(seqs, s)], "depth": D}:
-    draft rounds at the configured depth D and at depth 1. Forwards of up to 16 tokens (one
-    sequence's trees; a few ms each) are timed `small_repeats` times, larger ones `repeats`;
-    the verify curve is then made non-decreasing. Uses the runner's KV cache: call it before
-    any request runs (it overwrites cache slots)."""
+                  small_repeats: int = 5, blocks: list[int] | None = None, attempts: int = 3,
+                  min_share: float | None = None, wait: float | None = None) -> dict:
+    """{"verify": [(tokens, s)], "draft": [(seqs, s)], "draft_first": [(seqs, s)], "depth": D,
+    "cpu_share": [per attempt], "contended": bool}: draft rounds at the configured depth D and
+    at depth 1. Forwards of up to 16 tokens (one sequence's trees; a few ms each) are timed
+    `small_repeats` times, larger ones `repeats`; the verify curve is then made non-decreasing.
+    On the CPU, an attempt whose CPU share is below `min_share` (None: MIN_CPU_SHARE) is
+    followed by another after `wait` seconds (None: RETRY_WAIT), up to `attempts`; each point keeps its fastest
+    time. Uses the runner's KV cache: `blocks` (None: all of it) are overwritten, so call it
+    before any request runs or with blocks no sequence holds."""
+    min_share = MIN_CPU_SHARE if min_share is None else min_share
+    wait = RETRY_WAIT if wait is None else wait
+    on_cpu = runner.device.type == "cpu"
+    runs, shares = [], []
+    for attempt in range(max(attempts, 1)):
+        if attempt:
+            time.sleep(wait)
+        meter = CpuShare()
+        runs.append(_profile_once(runner, max_tokens, max_seqs, context, repeats, small_repeats, blocks, meter))
+        shares.append(meter.share if on_cpu else None)
+        if shares[-1] is None or shares[-1] >= min_share:
+            break
+    verify = _fastest([r[0] for r in runs])
+    draft, first = _fastest([r[1] for r in runs]), _fastest([r[2] for r in runs])
+    contended = all(s is not None and s < min_share for s in shares)
+    return {"verify": non_decreasing(verify), "draft": draft, "draft_first": first, "depth": runner.spec.max_depth,
+            "cpu_share": shares, "contended": contended}
+
+
+def extend(new: dict, old: dict) -> dict:
+    """A profile taken over fewer KV blocks than `old` (an idle-time one: the blocks no sequence
+    holds and no prefix caches) stops its grids early: beyond its last point each curve keeps
+    old's points, scaled by new / old at that last point (a contended profile is slow by about
+    one factor throughout)."""
+    out = dict(new)
+    for key in ("verify", "draft", "draft_first"):
+        pts, prev = list(new[key]), dict(old.get(key, []))
+        if pts and pts[-1][0] in prev and prev[pts[-1][0]] > 0:
+            last, scale = pts[-1][0], pts[-1][1] / prev[pts[-1][0]]
+            pts += [(x, y * scale) for x, y in sorted(prev.items()) if x > last]
+        out[key] = non_decreasing(pts) if key == "verify" else pts
+    return out
+
+
+# Below this CPU share a profile counts as contended. The default model's profile alone measured
+# 0.998 on the 2-core machine, 0.49-0.50 beside two spinning processes
+# (bench/bench_profile_contention.py, bench/results/profile_contention.json).
+MIN_CPU_SHARE = float(os.environ.get("EAGLE_SERVE_PROFILE_MIN_CPU_SHARE", "0.75"))
+RETRY_WAIT = 1.0  # seconds between attempts
+
+
+def _profile_once(runner, max_tokens, max_seqs, context, repeats, small_repeats, blocks, meter):
     bs = runner.config.block_size
-    n_blocks = runner.num_blocks
+    ids_of = list(range(runner.num_blocks)) if blocks is None else list(blocks)
+    n_blocks = len(ids_of)
     vocab = runner.loaded.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     verify = []
@@ -76,11 +163,11 @@ def profile_costs(runner, max_tokens: int, max_seqs: int, context: int = 128, re
             n = min(per_seq, left)
             left -= n
             ids = torch.randint(vocab, (n,), generator=gen).tolist()
-            spans.append(SeqSpan(ids, ctx, list(range(b * blocks_per, (b + 1) * blocks_per))))
+            spans.append(SeqSpan(ids, ctx, ids_of[b * blocks_per:(b + 1) * blocks_per]))
 
         def run():  # as the engine runs it: a CUDA graph replay where one fits
             runner.model.compute_logits(runner.forward(spans))
-        verify.append((T, _time(run, small_repeats if T <= 16 else repeats)))
+        verify.append((T, _time(run, small_repeats if T <= 16 else repeats, meter)))
     draft, first = [], []
     drafter = runner.drafter
     if not isinstance(drafter, NoDrafter):
@@ -92,7 +179,7 @@ def profile_costs(runner, max_tokens: int, max_seqs: int, context: int = 128, re
             if n * blocks_per > n_blocks:
                 break
             steps = [SeqStep(seq_id=-1 - i, token_ids=[1], num_cached=context,
-                             block_table=list(range(i * blocks_per, (i + 1) * blocks_per)),
+                             block_table=ids_of[i * blocks_per:(i + 1) * blocks_per],
                              params=SamplingParams(max_tokens=64), seed=0, output_token_ids=[1],
                              max_new_tokens=runner.spec.max_depth + 1,
                              prompt_token_ids=torch.randint(vocab, (context,), generator=gen).tolist())
@@ -105,8 +192,8 @@ def profile_costs(runner, max_tokens: int, max_seqs: int, context: int = 128, re
                 drafter.propose(steps, [depth] * n)
             for s in steps:  # the prompt's pairs, consumed by the untimed warm-up round
                 drafter.observe(dataclasses.replace(s, num_cached=0), s.prompt_token_ids[1:] + [1], feats, reset=True)
-            draft.append((n, _time(lambda: run(runner.spec.max_depth), repeats)))
-            first.append((n, _time(lambda: run(1), repeats)))
+            draft.append((n, _time(lambda: run(runner.spec.max_depth), repeats, meter)))
+            first.append((n, _time(lambda: run(1), repeats, meter)))
             for s in steps:
                 drafter.release(s.seq_id)
-    return {"verify": non_decreasing(verify), "draft": draft, "draft_first": first, "depth": runner.spec.max_depth}
+    return verify, draft, first

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -20,6 +21,9 @@ from scheduler.loop import EngineLoop
 from scheduler.output_processor import RequestOutput
 from scheduler.sequence import FinishReason
 from scheduler.worker import engine_executor
+
+
+log = logging.getLogger("eagle_serve")
 
 
 class EngineDead(RuntimeError):
@@ -130,11 +134,27 @@ class AsyncEngine:
                 for seq_id in list(self._aborts):
                     self._abort_now(seq_id)
                 self._aborts.clear()
+                if self.engine.idle_due():  # e.g. the tree budget's profile again, after a contended one
+                    self.busy_since = time.monotonic()
+                    try:
+                        await loop.run_in_executor(self._pool, self.engine.run_idle)
+                    except Exception as e:  # noqa: BLE001 - idle work failing must not stop serving
+                        log.warning("idle work failed: %r", e)
+                    finally:
+                        self.busy_since = None
+                    continue
                 if not self.engine.has_unfinished:
                     self._trim.maybe(idle=True)
                     self.last_progress = time.monotonic()
                     self._wake.clear()
-                    await self._wake.wait()
+                    due = self.engine.idle_due_in()
+                    if due is None:
+                        await self._wake.wait()
+                    else:  # wake for the idle work too
+                        try:
+                            await asyncio.wait_for(self._wake.wait(), max(due, 0.0) + 0.01)
+                        except asyncio.TimeoutError:
+                            pass
                     continue
                 try:
                     seqs, steps = self.engine.plan()

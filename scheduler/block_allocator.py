@@ -158,6 +158,14 @@ class BlockAllocator:
         table.blocks.clear()
         table.num_committed = table.num_registered = 0
 
+    def take_uncached(self) -> BlockTable:
+        """A table holding every free block that caches no prefix, for work that overwrites KV
+        slots outside any sequence (an idle-time cost profile); `free` gives them back."""
+        table = self.new_table()
+        while self._free:
+            table.blocks.append(self._take())
+        return table
+
     def _trim(self, table: BlockTable) -> None:
         keep = table.blocks_needed(table.num_committed)
         while len(table.blocks) > keep:

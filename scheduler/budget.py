@@ -511,6 +511,10 @@ class TreeBudget:
         self.last_depths = [d if d and self.max_depth else None for d in deep]
         return sizes
 
+    def forget_search(self) -> None:
+        """Drop the memoised searches (after the cost model is replaced)."""
+        self._search.clear()
+
     def _min_gain(self, n: int) -> float:
         """The modelled gain a tree must show over plain decoding at n decoding sequences."""
         return self.min_gain_one if n == 1 else self.min_gain

@@ -32,6 +32,17 @@ class Executor(Protocol):
     # should not learn as the round's cost (the drafter consuming a backlog of pending pairs)
 
 
+class IdleWork(Protocol):
+    """Engine work to run while no sequence is running (the tree budget's cost profile, taken
+    again after a contended one)."""
+
+    def idle_due_in(self) -> float | None:
+        """Seconds until the work is due (<= 0: now); None: no work."""
+
+
+    def run_idle(self) -> None: ...
+
+
 class PromptTooLong(ValueError):
     pass
 
@@ -45,8 +56,9 @@ class _SeqError(Exception):
 class EngineLoop:
     def __init__(self, executor: Executor, tokenizer: Tokenizer | None, allocator: BlockAllocator,
                  config: SchedulerConfig, eos_token_ids: frozenset[int], vocab_size: int,
-                 spec_tokens: int = 1, spec_slots: int = 0, budget=None):
+                 spec_tokens: int = 1, spec_slots: int = 0, budget=None, idle_work: IdleWork | None = None):
         self.executor = executor
+        self.idle_work = idle_work
         self.tokenizer = tokenizer
         self.scheduler = Scheduler(config, allocator, eos_token_ids, spec_tokens, spec_slots, budget)
         self.num_steps = 0
@@ -88,6 +100,18 @@ class EngineLoop:
             raise ValueError("stop strings need a tokenizer (this engine was built with skip_tokenizer)")
         if any(t < 0 or t >= self.vocab_size for t in params.logit_bias):
             raise ValueError(f"logit_bias has a token id outside the vocabulary [0, {self.vocab_size})")
+
+    def idle_due_in(self) -> float | None:
+        return None if self.idle_work is None else self.idle_work.idle_due_in()
+
+    def idle_due(self) -> bool:
+        due = self.idle_due_in()
+        return due is not None and due <= 0 and not self.has_unfinished
+
+    def run_idle(self) -> None:
+        """The idle work (on the engine thread); nothing if a sequence arrived meanwhile."""
+        if self.idle_work is not None and not self.has_unfinished:
+            self.idle_work.run_idle()
 
     def has_request(self, seq_id: int) -> bool:
         return seq_id in self._seqs

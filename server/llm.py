@@ -7,6 +7,8 @@
 """
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Sequence as Seq
 
 from engine.config import EngineConfig
@@ -19,6 +21,8 @@ from scheduler.scheduler import SchedulerConfig
 from scheduler.worker import on_engine_thread
 
 Prompt = str | list[int]
+
+log = logging.getLogger("eagle_serve")
 
 
 class LLM:
@@ -40,20 +44,70 @@ class LLM:
         spec = c.spec
         self.budget = None
         self.cost_profile = None
+        self.profiles: list[dict] = []  # every cost profile taken: {"at", "cpu_share", "contended", "used"}
+        self._reprofile_at: float | None = None  # when the next idle-time profile is due (None: not needed)
         if spec.method != "none" and c.tree_budget:
-            from engine.profile import profile_costs
-            from scheduler.budget import CostModel, TreeBudget
-            self.cost_profile = profile_costs(self.runner, c.max_num_batched_tokens, c.max_num_seqs)
-            # eagle2's dynamic tree is sized and cut to depth per round; the other drafters'
-            # rounds cost what the profile measured, whatever their size
-            per_level = spec.method == "eagle2"
-            prof = self.cost_profile
-            costs = CostModel(prof["verify"], prof["draft"], prof["draft_first"] if per_level else [],
-                              depth=prof["depth"])
-            self.budget = TreeBudget(costs, spec.tree_tokens, max_depth=spec.max_depth if per_level else None)
+            from scheduler.budget import TreeBudget
+            prof = self._profile()
+            self.budget = TreeBudget(self._costs(prof), spec.tree_tokens,
+                                     max_depth=spec.max_depth if spec.method == "eagle2" else None)
         self.loop = EngineLoop(self.runner, self.tokenizer, self.allocator, sched,
                                loaded.eos_token_ids, loaded.config.vocab_size,
-                               spec_tokens=spec.max_depth + 1, spec_slots=spec.scratch_slots, budget=self.budget)
+                               spec_tokens=spec.max_depth + 1, spec_slots=spec.scratch_slots, budget=self.budget,
+                               idle_work=self if self.budget is not None else None)
+
+    # ------------------------------------------------------------------ the tree budget's cost profile
+    REPROFILE_AFTER = 10.0  # seconds from a contended profile to the next try
+    MAX_PROFILES = 6  # the start-up profile and at most five idle-time ones
+
+    def _profile(self, blocks: list[int] | None = None, attempts: int = 3) -> dict:
+        from engine.profile import profile_costs
+        c = self.engine_config
+        prof = profile_costs(self.runner, c.max_num_batched_tokens, c.max_num_seqs, blocks=blocks, attempts=attempts)
+        used = not prof["contended"] or self.cost_profile is None
+        self.profiles.append({"at": time.time(), "cpu_share": prof["cpu_share"], "contended": prof["contended"],
+                              "used": used})
+        if used:
+            self.cost_profile = prof
+        if prof["contended"] and len(self.profiles) < self.MAX_PROFILES:
+            self._reprofile_at = time.monotonic() + self.REPROFILE_AFTER
+            log.warning("the tree budget's cost profile ran while other processes used the CPU (CPU share %s); "
+                        "profiling again when the engine is next idle",
+                        ", ".join(f"{s:.2f}" for s in prof["cpu_share"]))
+        else:
+            self._reprofile_at = None
+        return prof
+
+    def _costs(self, prof: dict):
+        from scheduler.budget import CostModel
+        # eagle2's dynamic tree is sized and cut to depth per round; the other drafters'
+        # rounds cost what the profile measured, whatever their size
+        per_level = self.engine_config.spec.method == "eagle2"
+        return CostModel(prof["verify"], prof["draft"], prof["draft_first"] if per_level else [], depth=prof["depth"])
+
+    def idle_due_in(self) -> float | None:
+        """Seconds until an idle-time cost profile is due (<= 0: now), None when none is needed
+        (the last profile was clean, or the tries are spent)."""
+        return None if self._reprofile_at is None else self._reprofile_at - time.monotonic()
+
+    def run_idle(self) -> None:
+        """Engine thread, no sequence running: profile again over the KV blocks that no sequence
+        holds and no prefix caches; a clean profile replaces the budget's costs (what the budget
+        learnt online corrected the contended one; its measured guard rates stay). A profile
+        that raises is not tried again."""
+        self._reprofile_at = None
+        old = self.cost_profile
+        table = self.allocator.take_uncached()
+        try:
+            prof = self._profile(table.blocks, attempts=1)
+        finally:
+            self.allocator.free(table)
+        if not prof["contended"]:  # its grids may stop early (fewer blocks): old's points carry on
+            from engine.profile import extend
+            self.cost_profile = extend(prof, old)
+            self.budget.costs = self._costs(self.cost_profile)
+            self.budget.forget_search()
+            log.info("tree budget cost profile retaken (CPU share %.2f)", prof["cpu_share"][-1])
 
     @property
     def max_model_len(self) -> int:
@@ -77,6 +131,8 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         encoded = [self.encode(p) for p in prompts]
+        if self.loop.idle_due():
+            on_engine_thread(self.loop.run_idle)
         seqs = []
         try:
             for ids, p in zip(encoded, params):

@@ -76,3 +76,23 @@ def test_slots_follow_the_block_table():
     t = alloc.new_table()
     t.blocks = [5, 2]
     assert t.slots(0, 8) == [20, 21, 22, 23, 8, 9, 10, 11]
+
+
+def test_take_uncached_leaves_cached_prefixes_and_held_blocks_alone():
+    from scheduler.block_allocator import block_hashes
+    a = BlockAllocator(8, 4, enable_prefix_caching=True)
+    held, cached = a.new_table(), a.new_table()
+    a.reserve(held, 4)
+    a.reserve(cached, 8)
+    a.commit(cached, 8)
+    hashes = block_hashes(list(range(8)), 4)
+    a.register(cached, hashes)
+    cached_blocks = list(cached.blocks)
+    a.free(cached)  # unheld but cached: evictable, counted free
+    borrowed = a.take_uncached()
+    assert sorted(borrowed.blocks) == sorted(set(range(8)) - set(held.blocks) - set(cached_blocks))
+    assert a.num_free_blocks == 2  # only the cached ones remain takeable
+    a.free(borrowed)
+    assert a.num_free_blocks == 7 and all(a.cached(h) for h in hashes)
+    again = a.new_table()
+    assert a.match_prefix(again, hashes) == 8 and again.blocks == cached_blocks
