@@ -41,11 +41,17 @@ def main(argv=None):
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "head_curve.json"))
     ap.add_argument("--reuse", default=None, help="an earlier output: its points for the same heads are kept, not re-run")
+    ap.add_argument("--stages", default=None, help="the runs' stage numbers, comma-separated (default 1, 2, ...): "
+                                                   "a lineage that skipped a stage keeps its numbering")
     args = ap.parse_args(argv)
+    runs = args.run.split(",")
+    numbers = [int(x) for x in args.stages.split(",")] if args.stages else list(range(1, len(runs) + 1))
+    if len(numbers) != len(runs):
+        raise SystemExit(f"--stages gives {len(numbers)} numbers for {len(runs)} runs")
     t, d, k = (int(x) for x in args.tree.split("x"))
     prompts = bd.mtbench_ids(args.prompts, max(10, args.prompts))
     heads, offset, card = [], 0, {}
-    for stage, run in enumerate(args.run.split(","), 1):
+    for stage, run in zip(numbers, runs):
         snaps = os.path.join(run, "snapshots")
         found = sorted((int(n.split("_")[1]), os.path.join(snaps, n)) for n in os.listdir(snaps)) \
             if os.path.isdir(snaps) else []
