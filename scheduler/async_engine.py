@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -21,9 +20,6 @@ from scheduler.loop import EngineLoop
 from scheduler.output_processor import RequestOutput
 from scheduler.sequence import FinishReason
 from scheduler.worker import engine_executor
-
-
-log = logging.getLogger("eagle_serve")
 
 
 class EngineDead(RuntimeError):
@@ -136,10 +132,8 @@ class AsyncEngine:
                 self._aborts.clear()
                 if self.engine.idle_due():  # e.g. the tree budget's profile again, after a contended one
                     self.busy_since = time.monotonic()
-                    try:
+                    try:  # run_idle logs its own errors
                         await loop.run_in_executor(self._pool, self.engine.run_idle)
-                    except Exception as e:  # noqa: BLE001 - idle work failing must not stop serving
-                        log.warning("idle work failed: %r", e)
                     finally:
                         self.busy_since = None
                     continue

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import random
 import time
 from typing import Protocol
@@ -18,6 +19,9 @@ from scheduler.block_allocator import BlockAllocator
 from scheduler.output_processor import RequestOutput, SeqTextState, make_output
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from scheduler.sequence import FinishReason, Sequence
+
+
+log = logging.getLogger("eagle_serve")
 
 
 class Executor(Protocol):
@@ -109,9 +113,13 @@ class EngineLoop:
         return due is not None and due <= 0 and not self.has_unfinished
 
     def run_idle(self) -> None:
-        """The idle work (on the engine thread); nothing if a sequence arrived meanwhile."""
+        """The idle work (on the engine thread); nothing if a sequence arrived meanwhile. Idle
+        work that raises is logged, never passed on: it must not fail a request or the loop."""
         if self.idle_work is not None and not self.has_unfinished:
-            self.idle_work.run_idle()
+            try:
+                self.idle_work.run_idle()
+            except Exception as e:  # noqa: BLE001
+                log.warning("idle work failed: %r", e)
 
     def has_request(self, seq_id: int) -> bool:
         return seq_id in self._seqs

@@ -975,3 +975,25 @@ def test_idle_profile_over_fewer_blocks_keeps_the_old_curve_beyond_its_grid():
     assert out["verify"] == [(1, 0.01), (4, 0.0125), (16, 0.025), (64, 0.075)]  # old x new(4) / old(4)
     assert out["draft"] == [(1, 0.001), (8, 0.005)] and out["draft_first"] == new["draft_first"]
     assert out["depth"] == 3 and out["contended"] is False
+
+
+def test_failing_idle_profile_fails_no_request_and_is_not_retried(tiny_llama, head_dir, monkeypatch):
+    import engine.profile as prof_mod
+    monkeypatch.setattr(prof_mod, "MIN_CPU_SHARE", 2.0)
+    monkeypatch.setattr(prof_mod, "RETRY_WAIT", 0.0)
+    monkeypatch.setattr(LLM, "REPROFILE_AFTER", 0.0)
+    llm = LLM(tiny_llama[0], **KW, kv_cache_tokens=2048, draft=head_dir,
+              spec=SpecConfig("eagle2", total_tokens=8, depth=3, top_k=2), max_num_seqs=4, max_num_batched_tokens=32)
+    calls = []
+
+    def broken(*a, **k):
+        calls.append(1)
+        raise RuntimeError("profile failed")
+    monkeypatch.setattr(prof_mod, "profile_costs", broken)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    assert llm.loop.idle_due()
+    out = llm.generate([5, 6, 7, 8], params)[0]
+    assert len(out.token_ids) == 6 and calls == [1]
+    llm.generate([5, 6, 7, 8], params)
+    assert calls == [1] and llm.loop.idle_due_in() is None
+    assert llm.allocator.num_free_blocks == llm.allocator.num_blocks
