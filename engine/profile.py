@@ -7,7 +7,8 @@ calling thread's CPU seconds / wall seconds; that thread is runnable throughout 
 whatever part of the work runs on one thread or all): another process busy on the same cores
 (a second engine starting, a benchmark, a build) makes every forward look slower, and a profile
 taken then is wrong for the whole run. A profile measured 42 ms for every forward of 1-16 tokens
-that way (10-13 ms normally) and misled the budget for a whole sweep: the online correction
+that way (10-13 ms normally; a bench_serve run, discarded, its json not kept) and misled the
+budget for a whole sweep: the online correction
 fixes the curve's level from plain rounds but not its slope over the tree sizes they never run.
 So a contended profile is taken again (`attempts`, `wait` seconds apart) and every point keeps
 its fastest measurement; if every attempt was contended the result says so (`contended`) and
@@ -28,6 +29,12 @@ from engine.sampling_params import SamplingParams
 
 VERIFY_GRID = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # linear beyond
 DRAFT_GRID = (1, 2, 4, 8, 16, 32, 64)
+
+# Below this CPU share a profile counts as contended. The default model's profile alone measured
+# 0.998 on the 2-core machine, 0.49-0.50 beside two spinning processes
+# (bench/bench_profile_contention.py, bench/results/profile_contention.json).
+MIN_CPU_SHARE = float(os.environ.get("EAGLE_SERVE_PROFILE_MIN_CPU_SHARE", "0.75"))
+RETRY_WAIT = 1.0  # seconds between attempts
 
 
 def non_decreasing(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
@@ -133,13 +140,6 @@ def extend(new: dict, old: dict) -> dict:
             pts += [(x, y * scale) for x, y in sorted(prev.items()) if x > last]
         out[key] = non_decreasing(pts) if key == "verify" else pts
     return out
-
-
-# Below this CPU share a profile counts as contended. The default model's profile alone measured
-# 0.998 on the 2-core machine, 0.49-0.50 beside two spinning processes
-# (bench/bench_profile_contention.py, bench/results/profile_contention.json).
-MIN_CPU_SHARE = float(os.environ.get("EAGLE_SERVE_PROFILE_MIN_CPU_SHARE", "0.75"))
-RETRY_WAIT = 1.0  # seconds between attempts
 
 
 def _profile_once(runner, max_tokens, max_seqs, context, repeats, small_repeats, blocks, meter):

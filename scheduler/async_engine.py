@@ -130,14 +130,14 @@ class AsyncEngine:
                 for seq_id in list(self._aborts):
                     self._abort_now(seq_id)
                 self._aborts.clear()
-                if self.engine.idle_due():  # e.g. the tree budget's profile again, after a contended one
-                    self.busy_since = time.monotonic()
-                    try:  # run_idle logs its own errors
-                        await loop.run_in_executor(self._pool, self.engine.run_idle)
-                    finally:
-                        self.busy_since = None
-                    continue
                 if not self.engine.has_unfinished:
+                    if self.engine.idle_due():  # e.g. the tree budget's profile again, after a contended one
+                        self.busy_since = time.monotonic()
+                        try:  # run_idle logs its own errors
+                            await loop.run_in_executor(self._pool, self.engine.run_idle)
+                        finally:
+                            self.busy_since = None
+                        continue
                     self._trim.maybe(idle=True)
                     self.last_progress = time.monotonic()
                     self._wake.clear()

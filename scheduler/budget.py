@@ -511,8 +511,10 @@ class TreeBudget:
         self.last_depths = [d if d and self.max_depth else None for d in deep]
         return sizes
 
-    def forget_search(self) -> None:
-        """Drop the memoised searches (after the cost model is replaced)."""
+    def set_costs(self, costs: CostModel) -> None:
+        """Replace the cost model (a profile taken again); the memoised searches priced with the
+        old one go with it."""
+        self.costs = costs
         self._search.clear()
 
     def _min_gain(self, n: int) -> float:

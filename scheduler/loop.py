@@ -43,8 +43,8 @@ class IdleWork(Protocol):
     def idle_due_in(self) -> float | None:
         """Seconds until the work is due (<= 0: now); None: no work."""
 
-
-    def run_idle(self) -> None: ...
+    def run_idle(self) -> None:
+        """Do the work (engine thread, no sequence running)."""
 
 
 class PromptTooLong(ValueError):

@@ -105,8 +105,7 @@ class LLM:
         if not prof["contended"]:  # its grids may stop early (fewer blocks): old's points carry on
             from engine.profile import extend
             self.cost_profile = extend(prof, old)
-            self.budget.costs = self._costs(self.cost_profile)
-            self.budget.forget_search()
+            self.budget.set_costs(self._costs(self.cost_profile))
             log.info("tree budget cost profile retaken (CPU share %.2f)", prof["cpu_share"][-1])
 
     @property
