@@ -143,57 +143,101 @@ def extend(new: dict, old: dict) -> dict:
 
 
 def _profile_once(runner, max_tokens, max_seqs, context, repeats, small_repeats, blocks, meter):
-    bs = runner.config.block_size
-    ids_of = list(range(runner.num_blocks)) if blocks is None else list(blocks)
-    n_blocks = len(ids_of)
-    vocab = runner.loaded.config.vocab_size
-    gen = torch.Generator().manual_seed(0)
-    verify = []
-    for T in VERIFY_GRID:
-        if T > max_tokens:
-            break
+    run = ProfileRun(runner, max_tokens, max_seqs, context, repeats, small_repeats, meter)
+    ids = list(range(runner.num_blocks)) if blocks is None else list(blocks)
+    while not run.step(ids):
+        pass
+    return run.verify, run.draft, run.first
+
+
+class ProfileRun:
+    """One attempt's points, measured one at a time (`step`), each over the KV blocks it is
+    given then: the idle-time profile runs a point per idle turn of the serving loop, so a
+    request that arrives meanwhile waits for one point (at most a few hundred ms on the default
+    model) instead of the whole profile (4.3 s: bench/results/profile_contention.json), and the
+    blocks go back between points. A point that does not fit in its blocks ends its grid there."""
+
+    def __init__(self, runner, max_tokens: int, max_seqs: int, context: int = 128, repeats: int = 2,
+                 small_repeats: int = 5, meter: CpuShare | None = None):
+        self.runner, self.context, self.repeats, self.small_repeats = runner, context, repeats, small_repeats
+        self.meter = meter if meter is not None else CpuShare()
+        self.todo = [("verify", t) for t in VERIFY_GRID if t <= max_tokens]
+        if not isinstance(runner.drafter, NoDrafter):
+            self.todo += [("draft", n) for n in DRAFT_GRID if n <= max_seqs]
+        self.verify: list[tuple[int, float]] = []
+        self.draft: list[tuple[int, float]] = []
+        self.first: list[tuple[int, float]] = []
+        self.gen = torch.Generator().manual_seed(0)
+
+    @property
+    def done(self) -> bool:
+        return not self.todo
+
+    @torch.inference_mode()
+    def step(self, blocks: list[int]) -> bool:
+        """Measure the next point over `blocks` (overwritten: no sequence may hold them); True
+        once every point is measured or cut."""
+        if self.todo:
+            kind, x = self.todo.pop(0)
+            fits = self._verify(x, blocks) if kind == "verify" else self._draft(x, blocks)
+            if not fits:  # larger points of this kind fit even less
+                self.todo = [(k, y) for k, y in self.todo if k != kind]
+        return self.done
+
+    def _verify(self, T: int, ids_of: list[int]) -> bool:
+        runner, bs = self.runner, self.runner.config.block_size
+        vocab = runner.loaded.config.vocab_size
         per_seq = 8 if T >= 8 else T
         B = -(-T // per_seq)
-        ctx = min(context, (n_blocks // B) * bs - per_seq)
+        ctx = min(self.context, (len(ids_of) // B) * bs - per_seq)
         if ctx < 1:
-            break
+            return False
         blocks_per = -(-(ctx + per_seq) // bs)
         spans, left = [], T
         for b in range(B):
             n = min(per_seq, left)
             left -= n
-            ids = torch.randint(vocab, (n,), generator=gen).tolist()
+            ids = torch.randint(vocab, (n,), generator=self.gen).tolist()
             spans.append(SeqSpan(ids, ctx, ids_of[b * blocks_per:(b + 1) * blocks_per]))
 
         def run():  # as the engine runs it: a CUDA graph replay where one fits
             runner.model.compute_logits(runner.forward(spans))
-        verify.append((T, _time(run, small_repeats if T <= 16 else repeats, meter)))
-    draft, first = [], []
-    drafter = runner.drafter
-    if not isinstance(drafter, NoDrafter):
-        h = runner.loaded.config.hidden_size
-        for n in DRAFT_GRID:
-            if n > max_seqs:
-                break
-            blocks_per = -(-(context + runner.spec.scratch_slots + 2 * repeats + 8) // bs)
-            if n * blocks_per > n_blocks:
-                break
-            steps = [SeqStep(seq_id=-1 - i, token_ids=[1], num_cached=context,
-                             block_table=ids_of[i * blocks_per:(i + 1) * blocks_per],
-                             params=SamplingParams(max_tokens=64), seed=0, output_token_ids=[1],
-                             max_new_tokens=runner.spec.max_depth + 1,
-                             prompt_token_ids=torch.randint(vocab, (context,), generator=gen).tolist())
-                     for i in range(n)]
-            feats = torch.randn(context, h, generator=gen).to(runner.dtype).to(runner.device)
+        self.verify.append((T, _time(run, self.small_repeats if T <= 16 else self.repeats, self.meter)))
+        return True
 
-            def run(depth):
-                for s in steps:  # one accepted token's pair pending, as after a verify round
-                    drafter.observe(s, [1], feats[-1:], reset=False)
-                drafter.propose(steps, [depth] * n)
+    def _draft(self, n: int, ids_of: list[int]) -> bool:
+        runner, bs, context, repeats = self.runner, self.runner.config.block_size, self.context, self.repeats
+        drafter, vocab = runner.drafter, runner.loaded.config.vocab_size
+        h = runner.loaded.config.hidden_size
+        blocks_per = -(-(context + runner.spec.scratch_slots + 2 * repeats + 8) // bs)
+        if n * blocks_per > len(ids_of):
+            return False
+        steps = [SeqStep(seq_id=-1 - i, token_ids=[1], num_cached=context,
+                         block_table=ids_of[i * blocks_per:(i + 1) * blocks_per],
+                         params=SamplingParams(max_tokens=64), seed=0, output_token_ids=[1],
+                         max_new_tokens=runner.spec.max_depth + 1,
+                         prompt_token_ids=torch.randint(vocab, (context,), generator=self.gen).tolist())
+                 for i in range(n)]
+        feats = torch.randn(context, h, generator=self.gen).to(runner.dtype).to(runner.device)
+
+        def run(depth):
+            for s in steps:  # one accepted token's pair pending, as after a verify round
+                drafter.observe(s, [1], feats[-1:], reset=False)
+            drafter.propose(steps, [depth] * n)
+        try:
             for s in steps:  # the prompt's pairs, consumed by the untimed warm-up round
                 drafter.observe(dataclasses.replace(s, num_cached=0), s.prompt_token_ids[1:] + [1], feats, reset=True)
-            draft.append((n, _time(lambda: run(runner.spec.max_depth), repeats, meter)))
-            first.append((n, _time(lambda: run(1), repeats, meter)))
+            self.draft.append((n, _time(lambda: run(runner.spec.max_depth), repeats, self.meter)))
+            self.first.append((n, _time(lambda: run(1), repeats, self.meter)))
+        finally:
             for s in steps:
                 drafter.release(s.seq_id)
-    return verify, draft, first
+        return True
+
+    def result(self, min_share: float | None = None) -> dict:
+        """The profile_costs dict of this single attempt."""
+        min_share = MIN_CPU_SHARE if min_share is None else min_share
+        share = self.meter.share if self.runner.device.type == "cpu" else None
+        return {"verify": non_decreasing(self.verify), "draft": list(self.draft), "draft_first": list(self.first),
+                "depth": self.runner.spec.max_depth, "cpu_share": [share],
+                "contended": share is not None and share < min_share}

@@ -46,6 +46,7 @@ class LLM:
         self.cost_profile = None
         self.profiles: list[dict] = []  # every cost profile taken: {"at", "cpu_share", "contended", "used"}
         self._reprofile_at: float | None = None  # when the next idle-time profile is due (None: not needed)
+        self._idle_run = None  # the idle-time profile under way (engine.profile.ProfileRun), point by point
         if spec.method != "none" and c.tree_budget:
             from scheduler.budget import TreeBudget
             prof = self._profile()
@@ -60,10 +61,14 @@ class LLM:
     REPROFILE_AFTER = 10.0  # seconds from a contended profile to the next try
     MAX_PROFILES = 6  # the start-up profile and at most five idle-time ones
 
-    def _profile(self, blocks: list[int] | None = None, attempts: int = 3) -> dict:
+    def _profile(self) -> dict:
         from engine.profile import profile_costs
         c = self.engine_config
-        prof = profile_costs(self.runner, c.max_num_batched_tokens, c.max_num_seqs, blocks=blocks, attempts=attempts)
+        return self._record(profile_costs(self.runner, c.max_num_batched_tokens, c.max_num_seqs))
+
+    def _record(self, prof: dict) -> dict:
+        """Keep a finished profile (the first one, or any clean one) and schedule the next try
+        after a contended one."""
         used = not prof["contended"] or self.cost_profile is None
         self.profiles.append({"at": time.time(), "cpu_share": prof["cpu_share"], "contended": prof["contended"],
                               "used": used})
@@ -86,27 +91,50 @@ class LLM:
         return CostModel(prof["verify"], prof["draft"], prof["draft_first"] if per_level else [], depth=prof["depth"])
 
     def idle_due_in(self) -> float | None:
-        """Seconds until an idle-time cost profile is due (<= 0: now), None when none is needed
-        (the last profile was clean, or the tries are spent)."""
+        """Seconds until idle-time profiling is due (<= 0: now; an unfinished profile is always
+        due), None when none is needed (the last profile was clean, or the tries are spent)."""
+        if self._idle_run is not None:
+            return 0.0
         return None if self._reprofile_at is None else self._reprofile_at - time.monotonic()
 
     def run_idle(self) -> None:
-        """Engine thread, no sequence running: profile again over the KV blocks that no sequence
-        holds and no prefix caches; a clean profile replaces the budget's costs (what the budget
-        learnt online corrected the contended one; its measured guard rates stay). A profile
-        that raises is not tried again."""
-        self._reprofile_at = None
-        old = self.cost_profile
+        """Engine thread, no sequence running: measure the next point of the idle-time profile
+        (`engine.profile.ProfileRun`) over the KV blocks that no sequence holds and no prefix
+        caches, which go back right after, so a request arriving meanwhile waits for one point,
+        not the whole profile. A finished clean profile replaces the budget's costs (what the
+        budget learnt online corrected the contended one; its measured guard rates stay). A
+        point that raises ends the profile, which is not tried again."""
+        from engine.profile import ProfileRun, extend
+        if self._idle_run is None:
+            c = self.engine_config
+            self._reprofile_at = None
+            self._idle_run = ProfileRun(self.runner, c.max_num_batched_tokens, c.max_num_seqs)
+        run = self._idle_run
         table = self.allocator.take_uncached()
         try:
-            prof = self._profile(table.blocks, attempts=1)
+            done = run.step(table.blocks)
+        except BaseException:
+            self._idle_run = None
+            raise
         finally:
             self.allocator.free(table)
+        if not done:
+            return
+        self._idle_run = None
+        old = self.cost_profile
+        prof = self._record(run.result())
         if not prof["contended"]:  # its grids may stop early (fewer blocks): old's points carry on
-            from engine.profile import extend
             self.cost_profile = extend(prof, old)
             self.budget.set_costs(self._costs(self.cost_profile))
             log.info("tree budget cost profile retaken (CPU share %.2f)", prof["cpu_share"][-1])
+
+    def _finish_idle(self) -> None:
+        """The synchronous front end's idle time is before a call: run due idle work (an
+        unfinished profile to its end) before the call's requests."""
+        if self.loop.idle_due():
+            on_engine_thread(self.loop.run_idle)
+            while self._idle_run is not None and self.loop.idle_due():
+                on_engine_thread(self.loop.run_idle)
 
     @property
     def max_model_len(self) -> int:
@@ -130,8 +158,7 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         encoded = [self.encode(p) for p in prompts]
-        if self.loop.idle_due():
-            on_engine_thread(self.loop.run_idle)
+        self._finish_idle()
         seqs = []
         try:
             for ids, p in zip(encoded, params):

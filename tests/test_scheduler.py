@@ -977,6 +977,77 @@ def test_idle_profile_over_fewer_blocks_keeps_the_old_curve_beyond_its_grid():
     assert out["depth"] == 3 and out["contended"] is False
 
 
+def test_idle_profile_runs_a_point_at_a_time_and_requests_run_between_points(tiny_llama, head_dir, monkeypatch):
+    """The idle-time profile measures one point per idle turn, its KV blocks back after each: a
+    request arriving meanwhile runs next (same output), and the profile then goes on where it
+    stopped; only the finished clean profile replaces the budget's costs."""
+    import engine.profile as prof_mod
+    monkeypatch.setattr(prof_mod, "MIN_CPU_SHARE", 2.0)  # the start-up profile is contended
+    monkeypatch.setattr(prof_mod, "RETRY_WAIT", 0.0)
+    monkeypatch.setattr(LLM, "REPROFILE_AFTER", 0.0)
+    llm = LLM(tiny_llama[0], **KW, kv_cache_tokens=2048, draft=head_dir,
+              spec=SpecConfig("eagle2", total_tokens=8, depth=3, top_k=2), max_num_seqs=4, max_num_batched_tokens=32)
+    prompt, params = list(range(5, 29)), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    expected = llm.generate(prompt, params)[0].token_ids  # drains one idle profile (contended again)
+    monkeypatch.setattr(prof_mod, "MIN_CPU_SHARE", 0.0)
+    monkeypatch.setattr(LLM, "MAX_PROFILES", 10)
+    llm._reprofile_at = 0.0  # due now
+    costs, n_profiles = llm.budget.costs, len(llm.profiles)
+    llm.loop.run_idle()  # one point
+    run = llm._idle_run
+    assert run is not None and len(run.verify) == 1 and not run.draft
+    assert llm.loop.idle_due() and llm.loop.idle_due_in() == 0.0
+    assert llm.allocator.num_free_blocks == llm.allocator.num_blocks
+    seq = llm.loop.add_request(prompt, params)  # a request arrives: it runs before the next point
+    assert not llm.loop.idle_due()
+    assert llm.loop.run_to_completion()[seq.seq_id].token_ids == expected
+    assert llm._idle_run is run and llm.budget.costs is costs and len(llm.profiles) == n_profiles
+    points = 1
+    while llm._idle_run is not None:
+        llm.loop.run_idle()
+        points += 1
+    assert points == len(run.verify) + len(run.draft) and len(run.draft) == len(run.first) >= 1
+    assert llm.budget.costs is not costs and llm.profiles[-1]["used"] and not llm.profiles[-1]["contended"]
+    assert llm.loop.idle_due_in() is None
+    assert llm.generate(prompt, params)[0].token_ids == expected
+    assert llm.allocator.num_free_blocks == llm.allocator.num_blocks
+
+
+def test_async_engine_serves_a_request_that_arrives_during_the_idle_profile(tiny_llama, head_dir, monkeypatch):
+    """Over the serving loop: a request submitted while the idle-time profile is under way is
+    answered before the profile ends (it waits for one point, not the whole profile)."""
+    import time as time_mod
+    import engine.profile as prof_mod
+    monkeypatch.setattr(prof_mod, "MIN_CPU_SHARE", 2.0)
+    monkeypatch.setattr(prof_mod, "RETRY_WAIT", 0.0)
+    monkeypatch.setattr(LLM, "REPROFILE_AFTER", 0.0)
+    llm = LLM(tiny_llama[0], **KW, kv_cache_tokens=2048, draft=head_dir,
+              spec=SpecConfig("eagle2", total_tokens=8, depth=3, top_k=2), max_num_seqs=4, max_num_batched_tokens=32)
+    real_step, points = prof_mod.ProfileRun.step, []
+
+    def slow_step(self, blocks):
+        time_mod.sleep(0.05)
+        points.append(time_mod.monotonic())
+        return real_step(self, blocks)
+    monkeypatch.setattr(prof_mod.ProfileRun, "step", slow_step)
+
+    async def run():
+        engine = AsyncEngine(llm.loop)
+        await engine.start()
+        while len(points) < 2:  # the idle profile is under way
+            await asyncio.sleep(0.01)
+        outs = [o async for o in engine.generate([5, 6, 7], SamplingParams(max_tokens=4, temperature=0))]
+        done_at, under_way = time_mod.monotonic(), llm._idle_run is not None
+        while llm._idle_run is not None:
+            await asyncio.sleep(0.02)
+        await engine.stop()
+        return outs, done_at, under_way
+    outs, done_at, under_way = asyncio.run(run())
+    assert outs[-1].finished and len(outs[-1].token_ids) == 4
+    assert under_way and done_at < points[-1]  # answered before the profile's last point
+    assert llm.profiles[-1]["contended"] and llm.allocator.num_free_blocks == llm.allocator.num_blocks
+
+
 def test_failing_idle_profile_fails_no_request_and_is_not_retried(tiny_llama, head_dir, monkeypatch):
     import engine.profile as prof_mod
     monkeypatch.setattr(prof_mod, "MIN_CPU_SHARE", 2.0)
@@ -989,7 +1060,7 @@ def test_failing_idle_profile_fails_no_request_and_is_not_retried(tiny_llama, he
     def broken(*a, **k):
         calls.append(1)
         raise RuntimeError("profile failed")
-    monkeypatch.setattr(prof_mod, "profile_costs", broken)
+    monkeypatch.setattr(prof_mod.ProfileRun, "step", broken)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     assert llm.loop.idle_due()
     out = llm.generate([5, 6, 7, 8], params)[0]
