@@ -12,6 +12,10 @@ acceptance length = (accepted + verify steps) / verify steps, pooled over the pr
     .venv/bin/python bench/bench_head_curve.py --run RUN1,...,RUN6 --reuse bench/results/head_curve_stages.json
         # a curve extended by new stages: heads an earlier output measured (same head, tokens,
         # tree, prompts, tokens per prompt, dtype) keep its figures, marked "reused"
+    .venv/bin/python bench/bench_head_curve.py --run RUN11 --stages 11 --prompts 10 \
+        --extend bench/results/head_curve_stages.json --out bench/results/head_curve_stages.json
+        # a new stage after ones whose run directories are gone: the earlier output's points
+        # are kept as they are, and training tokens count on from its last point
 Writes --out (bench/results/head_curve.json) and a .png next to it.
 """
 from __future__ import annotations
@@ -41,6 +45,9 @@ def main(argv=None):
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "head_curve.json"))
     ap.add_argument("--reuse", default=None, help="an earlier output: its points for the same heads are kept, not re-run")
+    ap.add_argument("--extend", default=None,
+                    help="an earlier output whose stages --run continues (their run directories may be gone): "
+                         "its points are kept as they are, and training tokens count on from its last point")
     ap.add_argument("--stages", default=None, help="the runs' stage numbers, comma-separated (default 1, 2, ...): "
                                                    "a lineage that skipped a stage keeps its numbering")
     args = ap.parse_args(argv)
@@ -50,7 +57,15 @@ def main(argv=None):
         raise SystemExit(f"--stages gives {len(numbers)} numbers for {len(runs)} runs")
     t, d, k = (int(x) for x in args.tree.split("x"))
     prompts = bd.mtbench_ids(args.prompts, max(10, args.prompts))
-    heads, offset, card = [], 0, {}
+    heads, offset, card, kept = [], 0, {}, []
+    if args.extend:
+        with open(args.extend) as f:
+            prev = json.load(f)
+        same = ("tree", "prompts", "max_new", "dtype")
+        if not all(prev["config"].get(k) == getattr(args, k) for k in same):
+            raise SystemExit(f"--extend {args.extend}: measured with other settings ({', '.join(same)} must match)")
+        kept = [{**p, "reused": p.get("reused") or args.extend} for p in prev["points"]]
+        offset = max(p["train_tokens"] for p in kept)
     for stage, run in zip(numbers, runs):
         snaps = os.path.join(run, "snapshots")
         found = sorted((int(n.split("_")[1]), os.path.join(snaps, n)) for n in os.listdir(snaps)) \
@@ -62,7 +77,7 @@ def main(argv=None):
         heads.extend((offset + n, path, stage) for n, path in found)
         offset += card["train_tokens_seen"]
     params = SamplingParams(max_tokens=args.max_new, temperature=0)
-    points, earlier = [], {}
+    points, earlier = list(kept), {}
     if args.reuse:
         with open(args.reuse) as f:
             prev = json.load(f)

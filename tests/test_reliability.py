@@ -336,6 +336,9 @@ def test_injected_fault_fails_one_request_the_others_finish(tiny_llama, head_dir
 
 def test_request_timeout_aborts_and_frees(tiny_llama):
     llm = tiny_llm(tiny_llama, kv_cache_tokens=1024, max_num_seqs=1)
+    # every step at least 5 ms: 500 tokens outlast the 0.5 s timeout on any machine (the tiny
+    # model alone decodes them in under 0.5 s on a fast one)
+    llm.runner.fault_hook = lambda steps: time.sleep(0.005)
     srv = Live(llm, request_timeout=0.5)
     try:
         t0 = time.time()
