@@ -85,7 +85,7 @@ class FixedTree:
     def observe(self, *args):
         pass
 
-    def observe_round(self, tokens, levels, seconds, committed=None, catchup=0.0):
+    def observe_round(self, tokens, levels, seconds, committed=None, catchup=0.0, prefill=None):
         if tokens == 1 or levels:  # decode rounds only (not the prompt's prefill)
             self.times.setdefault(f"{self.tokens}x{self.depth}", []).append(seconds)
 

@@ -34,14 +34,14 @@ def instrument(llm) -> dict:
     budget, stats = llm.budget, collections.defaultdict(lambda: [0, 0.0, 0])
     real = budget.observe_round
 
-    def observe_round(tokens, levels, seconds, committed=None, catchup=0.0):
+    def observe_round(tokens, levels, seconds, committed=None, catchup=0.0, prefill=None):
         pending = budget._pending  # (sequences, prefill tokens, kind) of this round, set by choose()
         key = "none" if pending is None else pending[2] + ("+prefill" if pending[1] else "")
         entry = stats[key]
         entry[0] += 1
         entry[1] += seconds
         entry[2] += committed or 0
-        real(tokens, levels, seconds, committed=committed, catchup=catchup)
+        real(tokens, levels, seconds, committed=committed, catchup=catchup, prefill=prefill)
     budget.observe_round = observe_round
     return stats
 

@@ -215,13 +215,18 @@ def _shift_from(points: list[tuple[int, float]], cache: dict[int, float], x: int
     trees (3-8 tokens, whose verify cost only plain rounds of that many sequences correct) never
     paid in the model: trees looked up to that much cheaper than they were, the deeper ones
     most. Points from the last one at or below x move (so the value at x moves by exactly
-    delta); smaller forwards keep theirs."""
+    delta); smaller forwards keep theirs. A moved point never falls below the one before it:
+    a forward of more tokens never costs less. Without that, cheap prefill rounds of ~150-250
+    tokens pulled verify(192) to 65.8 ms under verify(128)'s 82.9 (`cost_model_on_end` of
+    bench_serve's sweep at commit 4c93350), 32 sequences' trees of 4-6 tokens looked cheap,
+    and the budget speculated at 32 clients, at 386 tok/s against 825 plain by its own guard."""
     xs = [p[0] for p in points]
     lo = max(0, bisect.bisect_right(xs, x) - 1)
     if x > xs[-1]:  # extrapolated from the last two points: both move
         lo = max(0, len(points) - 2)
     for j in range(lo, len(points)):
-        points[j] = (xs[j], max(floor, points[j][1] + delta))
+        y = max(floor, points[j][1] + delta)
+        points[j] = (xs[j], max(y, points[j - 1][1]) if j else y)
     cache.clear()
 
 
@@ -350,7 +355,7 @@ class TreeBudget:
             self.prior[d] = tuple(p + self.ema * (c - p) for p, c in zip(self.prior[d], conf))
 
     def observe_round(self, tokens: int, levels: list[int] | int, seconds: float,
-                      committed: int | None = None, catchup: float = 0.0) -> None:
+                      committed: int | None = None, catchup: float = 0.0, prefill: bool | None = None) -> None:
         """A round's measured wall time (see `CostModel.observe`); `committed`: the tokens it
         emitted, for the measured guard (pure decode rounds only: a prefill chunk's cost and
         its sequence's first token say nothing about decoding); `catchup`: seconds of it the
@@ -360,10 +365,17 @@ class TreeBudget:
         holds speculation off, every probe found a backlog of 64 rounds or more and paid for it,
         so at one sequence probes measured 44 tok/s against 119 plain and the verdict could
         never turn. The backlogs' seconds are small against the rounds' (0.7-1.1 s over a whole
-        concurrency sweep: bench/results/serve*.json, head_catchup_seconds)."""
-        if self.cost_rate > 0:
-            self.costs.observe(tokens, levels, seconds - catchup, self.cost_rate)
+        concurrency sweep: bench/results/serve*.json, head_catchup_seconds). Rounds that carry
+        a prefill chunk (`prefill`; None: as the round's `choose` was told) teach the cost model nothing unless the budget speculates in them
+        (`spec_with_prefill`): the curves price decode rounds, and a forward of one long chunk
+        plus a few decode tokens costs far less than as many tokens spread over many sequences'
+        trees (a 192-token profile point, 24 sequences x 8 tokens, read 148 ms; prefill rounds
+        of about that size pulled it to 65.8 ms in bench_serve's sweep at commit 4c93350)."""
         pending, self._pending = self._pending, None
+        if prefill is None:  # the loop says; else what the round's choice was told
+            prefill = bool(pending is not None and pending[1])
+        if self.cost_rate > 0 and not (prefill and not self.spec_with_prefill):
+            self.costs.observe(tokens, levels, seconds - catchup, self.cost_rate)
         if committed is None or pending is None or not seconds > 0:
             return
         n, prefill, kind = pending

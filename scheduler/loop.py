@@ -191,6 +191,7 @@ class EngineLoop:
                 seq.first_token_time = seq.first_token_time or now
         # the round as the tree budget models it: tokens in the forward, sequences drafting each level
         forward_tokens = sum(s.num_scheduled for s in seqs) + sum(r.num_draft_tokens for r in ok)
+        prefill = any(s.num_scheduled > 1 for s in seqs)  # a prompt chunk (decoding sequences schedule 1)
         levels = [0] * max((r.draft_depth for r in ok if r.num_draft_tokens), default=0)
         for r in ok:
             if r.num_draft_tokens:
@@ -207,7 +208,7 @@ class EngineLoop:
             seconds = time.perf_counter() - self._round_start
             catchup = getattr(self.executor, "catchup_seconds", 0.0) - self._catchup_start
             budget.observe_round(forward_tokens, levels, seconds, committed=sum(len(r.token_ids) for r in ok),
-                                 catchup=max(catchup, 0.0))
+                                 catchup=max(catchup, 0.0), prefill=prefill)
         self._round_start = None
         return outputs
 

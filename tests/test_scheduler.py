@@ -689,8 +689,10 @@ def test_engine_loop_reports_each_round_to_the_budget(tiny_llama, head_dir):
     llm.budget.observe_round = lambda t, n, s, **kw: (seen.append((t, n, s, kw)), real(t, n, s, **kw))
     before = llm.budget.costs.observed_rounds
     outs = llm.generate([[5, 6, 7, 8, 9], [10, 11, 12]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
-    assert seen[0][:2] == (8, [])  # both prompts prefilled in one forward, nothing drafted
-    assert len(seen) == llm.loop.num_steps and llm.budget.costs.observed_rounds - before == len(seen)
+    assert seen[0][:2] == (8, []) and seen[0][3]["prefill"]  # both prompts prefilled in one forward, nothing drafted
+    assert not any(kw["prefill"] for _, _, _, kw in seen[1:])
+    # the cost model learns from decode rounds only: a prefill round is not what a tree costs
+    assert len(seen) == llm.loop.num_steps and llm.budget.costs.observed_rounds - before == len(seen) - 1
     drafted = sum(o.spec.draft_tokens for o in outs)
     # every later round: one root per sequence still running plus the drafted nodes verified
     assert sum(t for t, _, _, _ in seen[1:]) - drafted == sum(len(o.token_ids) for o in outs) - 2 - sum(
@@ -701,6 +703,37 @@ def test_engine_loop_reports_each_round_to_the_budget(tiny_llama, head_dir):
     # levels: sequences drafting each level, at most the 2 sequences, at most depth 3, nested
     assert any(lv for _, lv, _, _ in seen)
     assert all(len(lv) <= 3 and all(2 >= a >= b >= 1 for a, b in zip(lv, lv[1:] + [1])) for _, lv, _, _ in seen)
+
+
+def test_learnt_verify_curve_never_falls_with_more_tokens():
+    """A round of many tokens measured cheap (a long prefill chunk costs far less than as many
+    tokens of many sequences' trees) must not make the curve fall there: a forward of more
+    tokens never costs less, or large batches' trees look cheaper than their plain rounds."""
+    m = CostModel([(1, 0.010), (32, 0.040), (128, 0.085), (192, 0.148), (256, 0.199)])
+    for _ in range(200):
+        m.observe(192, [], 0.040, rate=0.1)  # far cheaper than even verify(128)
+    ys = [m.verify(x) for x in (1, 32, 64, 128, 160, 192, 224, 256, 300)]
+    assert all(b >= a for a, b in zip(ys, ys[1:]))
+    assert m.verify(192) == pytest.approx(0.085) and m.verify(128) == pytest.approx(0.085)
+    # a slower round still moves its size and every larger one up by its error
+    m.observe(32, [], 0.050, rate=1.0)
+    assert m.verify(32) == pytest.approx(0.050) and m.verify(256) >= m.verify(192) >= 0.095 - 1e-12
+
+
+def test_rounds_with_a_prefill_chunk_teach_the_cost_model_nothing():
+    """Unless the budget speculates in prefill rounds, their cost is not what decode rounds of as
+    many tokens cost: the cost model leaves them out (the measured guard already does)."""
+    b = TreeBudget(CostModel([(1, 0.010), (256, 0.200)]), 8)
+    b.choose([()] * 2, [8, 8], prefill_tokens=150)
+    b.observe_round(152, [], 0.030, committed=2)
+    assert b.costs.observed_rounds == 0 and b.costs.verify(152) == pytest.approx(0.010 + 151 * 0.190 / 255)
+    b.observe_round(152, [], 0.030, prefill=True)  # the loop says so, whatever choose was told
+    b.observe_round(2, [], 0.012, prefill=False)
+    assert b.costs.observed_rounds == 1
+    b.spec_with_prefill = True  # then trees in prefill rounds are priced by the curve: it learns them
+    b.choose([()] * 2, [8, 8], prefill_tokens=150)
+    b.observe_round(152, [], 0.030, committed=2)
+    assert b.costs.observed_rounds == 2
 
 
 def test_startup_profiler_runs_on_a_tiny_model(tiny_llama, head_dir):
@@ -783,7 +816,7 @@ class ResumingBudget:
     def observe(self, *args):
         pass
 
-    def observe_round(self, tokens, levels, seconds, committed=None, catchup=0.0):
+    def observe_round(self, tokens, levels, seconds, committed=None, catchup=0.0, prefill=None):
         self.seen.append((self.rounds, seconds, catchup))
 
 
