@@ -18,6 +18,7 @@ Speedup on/off = median over repetitions of the per-repetition ratio.
 
     .venv/bin/python bench/bench_serve.py                         # full sweep (~25 min)
     .venv/bin/python bench/bench_serve.py --concurrency 1,4 --reps 1 --transports inproc
+    .venv/bin/python bench/bench_serve.py --transports inproc --reps 3 --instances 3   # a fresh build per rep
 Writes --out (bench/results/serve.json) and a .png next to it.
 """
 from __future__ import annotations
@@ -58,6 +59,10 @@ def parse_args(argv=None):
                     help="on, off, and on-plain: the 'on' engine (head loaded, its state kept every round) "
                          "with a tree budget that never speculates, to separate the head's bookkeeping from "
                          "the budget's choices; on-z<Z>: 'on' with the guard's margin at Z standard errors")
+    ap.add_argument("--instances", type=int, default=1,
+                    help="engines built per kind; repetition r runs on instance r mod K. Two builds of the same "
+                         "engine differ by up to 5%% in round time (where their weights and caches land in "
+                         "memory), a bias that repetitions on one instance never average out")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "serve.json"))
     return ap.parse_args(argv)
 
@@ -189,28 +194,34 @@ async def run_load(transport, prompts, conc: int, n_req: int, max_new: int, offs
 
 
 async def sweep(args, engines: dict, prompts) -> list[dict]:
+    """engines: name -> LLM, or name -> [LLM, ...] (instances: repetition r runs on instance r mod K)."""
     rows = []
     concs = [int(c) for c in args.concurrency.split(",")]
+    pools = {name: (e if isinstance(e, list) else [e]) for name, e in engines.items()}
     for transport_name in args.transports.split(","):
-        transports = {name: (InProc if transport_name == "inproc" else Http)(llm) for name, llm in engines.items()}
-        for t in transports.values():
+        kind = InProc if transport_name == "inproc" else Http
+        transports = {name: [kind(llm) for llm in pool] for name, pool in pools.items()}
+        every = [t for ts in transports.values() for t in ts]
+        for t in every:
             await t.start()
         try:
-            for t in transports.values():  # warm-up
+            for t in every:  # warm-up
                 await run_load(t, prompts, 2, 2, 16, 0)
             for conc in concs:
                 n_req = max(2 * conc, args.min_requests)
                 for rep in range(args.reps):
                     order = list(transports) if rep % 2 == 0 else list(reversed(transports))
                     for name in order:
-                        r = await run_load(transports[name], prompts, conc, n_req, args.max_new, offset=rep * 7)
-                        r.update(transport=transport_name, engine=name, concurrency=conc, rep=rep,
-                                 reconnects_so_far=getattr(transports[name], "reconnects", 0))
+                        inst = rep % len(transports[name])
+                        t = transports[name][inst]
+                        r = await run_load(t, prompts, conc, n_req, args.max_new, offset=rep * 7)
+                        r.update(transport=transport_name, engine=name, concurrency=conc, rep=rep, instance=inst,
+                                 reconnects_so_far=getattr(t, "reconnects", 0))
                         rows.append(r)
                         print(f"{transport_name} c={conc} rep={rep} {name}: {r['tok_s']:.1f} tok/s, "
                               f"ttft p50 {r['ttft_p50']:.3f}s, itl p50 {r['itl_p50'] or 0:.4f}s", flush=True)
         finally:
-            for t in transports.values():
+            for t in every:
                 await t.stop()
     return rows
 
@@ -308,12 +319,19 @@ def main(argv=None):
     if draft is None:
         raise SystemExit("no draft head: pass --draft DIR")
     prompts = load_prompts(args.prompts)
-    engines = {name: build_engine(name, draft, args.dtype, args.kv_cache_tokens) for name in args.engines.split(",")}
-    if not {"on", "off"} <= set(engines):
+    names = args.engines.split(",")
+    if not {"on", "off"} <= set(names):
         raise SystemExit("--engines must include on and off")
+    if args.instances < 1:
+        raise SystemExit("--instances must be >= 1")
+    pools = {name: [] for name in names}
+    for _ in range(args.instances):  # built in turn, kind after kind
+        for name in names:
+            pools[name].append(build_engine(name, draft, args.dtype, args.kv_cache_tokens))
+    engines = {name: pool[0] for name, pool in pools.items()}  # instance 0: what the budget figures below describe
     print("cost profile (on):", json.dumps(engines["on"].cost_profile))
     source = bd.source_digest()
-    rows = asyncio.run(sweep(args, engines, prompts))
+    rows = asyncio.run(sweep(args, pools if args.instances > 1 else engines, prompts))
     summary = summarize(rows)
     for tr, s in summary.items():
         print(f"\n{tr}\n| concurrency | on tok/s | off tok/s | on/off (median of reps) | TTFT p50 on/off | ITL p50 on/off |")
@@ -325,6 +343,9 @@ def main(argv=None):
             for eng in (k for k in e if k.startswith("on-") and not k.endswith("_median")):
                 print(f"|   {eng} | {e[eng]['tok_s']:.1f} | | {e[f'{eng}_off_ratio_median']:.2f} | | |")
     result = {"config": vars(args), "draft": draft, "torch_threads": torch.get_num_threads(),
+              "instances_note": "budget figures below are instance 0's" if args.instances > 1 else None,
+              "budget_rounds_by_instance": [{"chosen": e.budget.rounds, "speculating": e.budget.spec_rounds,
+                                             "guarded_plain": e.budget.guarded} for e in pools["on"]],
               "cost_profile_on": engines["on"].cost_profile, "summary": summary, "rows": rows,
               # the tree budget's cost model after the sweep's online corrections
               "cost_model_on_end": engines["on"].budget.costs.to_json(),
