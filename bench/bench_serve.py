@@ -60,9 +60,9 @@ def parse_args(argv=None):
                          "with a tree budget that never speculates, to separate the head's bookkeeping from "
                          "the budget's choices; on-z<Z>: 'on' with the guard's margin at Z standard errors")
     ap.add_argument("--instances", type=int, default=1,
-                    help="engines built per kind; repetition r runs on instance r mod K. Two builds of the same "
-                         "engine differ by up to 5%% in round time (where their weights and caches land in "
-                         "memory), a bias that repetitions on one instance never average out")
+                    help="engines built per kind; repetition r runs on instance r mod K, so whatever sets one "
+                         "build apart (bench/bench_instances.py compares builds) is not carried into every "
+                         "repetition")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "serve.json"))
     return ap.parse_args(argv)
 
@@ -331,7 +331,7 @@ def main(argv=None):
     engines = {name: pool[0] for name, pool in pools.items()}  # instance 0: what the budget figures below describe
     print("cost profile (on):", json.dumps(engines["on"].cost_profile))
     source = bd.source_digest()
-    rows = asyncio.run(sweep(args, pools if args.instances > 1 else engines, prompts))
+    rows = asyncio.run(sweep(args, pools, prompts))
     summary = summarize(rows)
     for tr, s in summary.items():
         print(f"\n{tr}\n| concurrency | on tok/s | off tok/s | on/off (median of reps) | TTFT p50 on/off | ITL p50 on/off |")

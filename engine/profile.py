@@ -120,6 +120,12 @@ def profile_costs(runner, max_tokens: int, max_seqs: int, context: int = 128, re
         shares.append(meter.share if on_cpu else None)
         if shares[-1] is None or shares[-1] >= min_share:
             break
+    return _result(runner, runs, shares, min_share)
+
+
+def _result(runner, runs: list, shares: list[float | None], min_share: float) -> dict:
+    """The profile dict from attempts' (verify, draft, first) points and CPU shares: per point
+    the fastest attempt, the verify curve made non-decreasing; contended if every attempt was."""
     verify = _fastest([r[0] for r in runs])
     draft, first = _fastest([r[1] for r in runs]), _fastest([r[2] for r in runs])
     contended = all(s is not None and s < min_share for s in shares)
@@ -236,8 +242,6 @@ class ProfileRun:
 
     def result(self, min_share: float | None = None) -> dict:
         """The profile_costs dict of this single attempt."""
-        min_share = MIN_CPU_SHARE if min_share is None else min_share
         share = self.meter.share if self.runner.device.type == "cpu" else None
-        return {"verify": non_decreasing(self.verify), "draft": list(self.draft), "draft_first": list(self.first),
-                "depth": self.runner.spec.max_depth, "cpu_share": [share],
-                "contended": share is not None and share < min_share}
+        return _result(self.runner, [(self.verify, self.draft, self.first)], [share],
+                       MIN_CPU_SHARE if min_share is None else min_share)

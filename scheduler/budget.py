@@ -373,13 +373,13 @@ class TreeBudget:
         of about that size pulled it to 65.8 ms in bench_serve's sweep at commit 4c93350)."""
         pending, self._pending = self._pending, None
         if prefill is None:  # the loop says; else what the round's choice was told
-            prefill = bool(pending is not None and pending[1])
+            prefill = pending is not None and pending[1] > 0
         if self.cost_rate > 0 and not (prefill and not self.spec_with_prefill):
             self.costs.observe(tokens, levels, seconds - catchup, self.cost_rate)
         if committed is None or pending is None or not seconds > 0:
             return
-        n, prefill, kind = pending
-        if prefill or kind not in ("plain", "spec"):
+        n, prefill_tokens, kind = pending
+        if prefill_tokens or kind not in ("plain", "spec"):
             return
         entry = self.measured.setdefault(n, {}).setdefault(kind, [0.0, 0, 0.0, 0])
         rate = committed / max(seconds - catchup, 1e-9)
