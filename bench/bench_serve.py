@@ -6,9 +6,13 @@ until max(2C, --min-requests) requests are done; prompts alternate between MT-be
 and ShareGPT first user turns (from the end of the packaged split, away from the conversations
 the default head was trained on), all through the chat template; greedy, --max-new new tokens.
 Each (C, repetition) runs both engines, in an order that alternates between repetitions, so
-machine drift hits both alike. Two transports:
+machine drift hits both alike. Three transports:
   inproc  the scheduler's async API (scheduler.async_engine.AsyncEngine.generate)
-  http    the OpenAI server (uvicorn on 127.0.0.1, streaming, the official `openai` SDK)
+  http    the OpenAI server (uvicorn on 127.0.0.1, streaming, the official `openai` SDK), in a
+          thread of this process: the client, the server's event loop and the engine share one GIL
+  http-proc  the same server as its own process (`eagle-serve serve`), one per engine and
+          instance, as an operator runs it: only the cores are shared with the client, not the
+          GIL (run it on its own: no in-process engines are built for it)
 Engines: "on" = the embedded default model with its shipped head (EAGLE-2, load-aware tree
 budget); "off" = the same model with --spec none. Both stay loaded for the whole run.
 
@@ -19,6 +23,7 @@ Speedup on/off = median over repetitions of the per-repetition ratio.
     .venv/bin/python bench/bench_serve.py                         # full sweep (~25 min)
     .venv/bin/python bench/bench_serve.py --concurrency 1,4 --reps 1 --transports inproc
     .venv/bin/python bench/bench_serve.py --transports inproc --reps 3 --instances 3   # a fresh build per rep
+    .venv/bin/python bench/bench_serve.py --transports http-proc --reps 3 --instances 3 --out bench/results/serve_http_proc.json
 Writes --out (bench/results/serve.json) and a .png next to it.
 """
 from __future__ import annotations
@@ -63,6 +68,7 @@ def parse_args(argv=None):
                     help="engines built per kind; repetition r runs on instance r mod K, so whatever sets one "
                          "build apart (bench/bench_instances.py compares builds) is not carried into every "
                          "repetition")
+    ap.add_argument("--log-dir", default="/tmp/bench_serve_logs", help="http-proc: the servers' logs")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "serve.json"))
     return ap.parse_args(argv)
 
@@ -149,6 +155,49 @@ class Http:
             return await stream_completion(self.client, "m", ids, max_new)
 
 
+class HttpProc(Http):
+    """`eagle-serve serve` in a child process of its own (server.process.ServerProcess): the
+    "on" engine serves the shipped head (EAGLE-2 with the tree budget), "off" runs --spec none."""
+
+    def __init__(self, kind: str, args, instance: int):
+        if kind not in ("on", "off"):
+            raise SystemExit(f"engine {kind!r} has no server flags: http-proc runs on and off only")
+        self.kind, self.instance, self.reconnects = kind, instance, 0
+        flags = ["--dtype", args.dtype, "--kv-cache-tokens", str(args.kv_cache_tokens), "--served-model-name", "m",
+                 "--max-waiting", "10000", "--log-level", "warning"]
+        flags += ["--draft", args.draft or default_draft_path()] if kind == "on" else ["--draft", "none", "--spec", "none"]
+        self.flags = flags
+        os.makedirs(args.log_dir, exist_ok=True)
+        self.log_path = os.path.join(args.log_dir, f"serve_{kind}_{instance}.log")
+
+    async def start(self):
+        import openai
+        from server.process import ServerProcess
+        self.server = await asyncio.to_thread(ServerProcess, self.flags, self.log_path)
+        self.client = openai.AsyncOpenAI(base_url=self.server.url + "/v1", api_key="x", max_retries=0, timeout=600)
+
+    async def stop(self):
+        await self.client.close()
+        await asyncio.to_thread(self.server.terminate)
+
+    async def metrics(self) -> dict:
+        """The server's speculation counters and histograms (/metrics), by sample name."""
+        import httpx2 as httpx
+        from prometheus_client.parser import text_string_to_metric_families
+        async with httpx.AsyncClient() as c:
+            text = (await c.get(self.server.url + "/metrics", timeout=30)).text
+        out = {}
+        for fam in text_string_to_metric_families(text):
+            if not fam.name.startswith(("eagle_serve_spec", "eagle_serve_decode_steps", "eagle_serve_generation")):
+                continue
+            for smp in fam.samples:
+                if smp.name.endswith("_created"):
+                    continue
+                key = smp.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(smp.labels.items())) + "}" if smp.labels else "")
+                out[key] = smp.value
+        return out
+
+
 async def stream_completion(client, model: str, ids, max_new: int):
     """One greedy streaming completion through the `openai` SDK: ([(seconds, tokens)] per
     chunk, completion tokens)."""
@@ -198,9 +247,13 @@ async def sweep(args, engines: dict, prompts) -> list[dict]:
     rows = []
     concs = [int(c) for c in args.concurrency.split(",")]
     pools = {name: (e if isinstance(e, list) else [e]) for name, e in engines.items()}
+    server_metrics = {}
     for transport_name in args.transports.split(","):
-        kind = InProc if transport_name == "inproc" else Http
-        transports = {name: [kind(llm) for llm in pool] for name, pool in pools.items()}
+        if transport_name == "http-proc":
+            transports = {name: [HttpProc(name, args, i) for i in range(args.instances)] for name in pools}
+        else:
+            kind = InProc if transport_name == "inproc" else Http
+            transports = {name: [kind(llm) for llm in pool] for name, pool in pools.items()}
         every = [t for ts in transports.values() for t in ts]
         for t in every:
             await t.start()
@@ -220,10 +273,14 @@ async def sweep(args, engines: dict, prompts) -> list[dict]:
                         rows.append(r)
                         print(f"{transport_name} c={conc} rep={rep} {name}: {r['tok_s']:.1f} tok/s, "
                               f"ttft p50 {r['ttft_p50']:.3f}s, itl p50 {r['itl_p50'] or 0:.4f}s", flush=True)
+            for name, ts in transports.items():
+                for i, t in enumerate(ts):
+                    if isinstance(t, HttpProc):
+                        server_metrics[f"{name}/{i}"] = await t.metrics()
         finally:
             for t in every:
                 await t.stop()
-    return rows
+    return rows, server_metrics
 
 
 def rep_ratios(rows, engine: str, against: str) -> list[float]:
@@ -313,6 +370,28 @@ def build_engine(kind: str, draft: str | None = None, dtype: str = "bfloat16", k
     return llm
 
 
+def engine_result(args, draft, pools, engines) -> dict:
+    """The in-process engines' budget and cost-model figures after the sweep."""
+    return {"config": vars(args), "draft": draft,
+            "instances_note": "budget figures below are instance 0's" if args.instances > 1 else None,
+            "budget_rounds_by_instance": [{"chosen": e.budget.rounds, "speculating": e.budget.spec_rounds,
+                                           "guarded_plain": e.budget.guarded} for e in pools["on"]],
+            "cost_profile_on": engines["on"].cost_profile,
+            # the tree budget's cost model after the sweep's online corrections
+            "cost_model_on_end": engines["on"].budget.costs.to_json(),
+            "budget_rounds": {"observed": engines["on"].budget.costs.observed_rounds,
+                              "chosen": engines["on"].budget.rounds, "speculating": engines["on"].budget.spec_rounds,
+                              "explored_plain": engines["on"].budget.explored,
+                              "guarded_plain": engines["on"].budget.guarded},
+            "head_catchup_seconds": {name: e.runner.catchup_seconds for name, e in engines.items()},
+            # the measured guard: per batch size, pure decode rounds' tokens/s (running average, rounds)
+            "guard_measured": {str(n): m for n, m in sorted(engines["on"].budget.measured.items())},
+            # every budget engine's counters (on, and on-plain / on-z<Z> where run)
+            "budget_rounds_by_engine": {name: {"chosen": e.budget.rounds, "speculating": e.budget.spec_rounds,
+                                               "guarded_plain": e.budget.guarded, "guard_z": e.budget.guard_z}
+                                        for name, e in engines.items() if e.budget is not None}}
+
+
 def main(argv=None):
     args = parse_args(argv)
     draft = args.draft or default_draft_path()
@@ -324,14 +403,28 @@ def main(argv=None):
         raise SystemExit("--engines must include on and off")
     if args.instances < 1:
         raise SystemExit("--instances must be >= 1")
-    pools = {name: [] for name in names}
-    for _ in range(args.instances):  # built in turn, kind after kind
-        for name in names:
-            pools[name].append(build_engine(name, draft, args.dtype, args.kv_cache_tokens))
-    engines = {name: pool[0] for name, pool in pools.items()}  # instance 0: what the budget figures below describe
-    print("cost profile (on):", json.dumps(engines["on"].cost_profile))
+    transports = args.transports.split(",")
+    unknown = set(transports) - {"inproc", "http", "http-proc"}
+    if unknown:
+        raise SystemExit(f"unknown transport(s) {sorted(unknown)}: inproc, http, http-proc")
+    if "http-proc" in transports and len(transports) > 1:
+        raise SystemExit("run --transports http-proc on its own (its servers are processes of their own)")
+    if "http-proc" in transports and set(names) - {"on", "off"}:
+        raise SystemExit("--transports http-proc runs the engines on and off only")
     source = bd.source_digest()
-    rows = asyncio.run(sweep(args, pools, prompts))
+    if transports == ["http-proc"]:
+        pools = {name: [name] for name in names}  # the servers are built by the transport, per instance
+        rows, server_metrics = asyncio.run(sweep(args, pools, prompts))
+        result = {"config": vars(args), "draft": draft, "server_metrics": server_metrics}
+    else:
+        pools = {name: [] for name in names}
+        for _ in range(args.instances):  # built in turn, kind after kind
+            for name in names:
+                pools[name].append(build_engine(name, draft, args.dtype, args.kv_cache_tokens))
+        engines = {name: pool[0] for name, pool in pools.items()}  # instance 0: what the budget figures below describe
+        print("cost profile (on):", json.dumps(engines["on"].cost_profile))
+        rows, _ = asyncio.run(sweep(args, pools, prompts))
+        result = engine_result(args, draft, pools, engines)
     summary = summarize(rows)
     for tr, s in summary.items():
         print(f"\n{tr}\n| concurrency | on tok/s | off tok/s | on/off (median of reps) | TTFT p50 on/off | ITL p50 on/off |")
@@ -342,34 +435,20 @@ def main(argv=None):
                   f"{e['on']['itl_p50']:.4f} / {e['off']['itl_p50']:.4f} |")
             for eng in (k for k in e if k.startswith("on-") and not k.endswith("_median")):
                 print(f"|   {eng} | {e[eng]['tok_s']:.1f} | | {e[f'{eng}_off_ratio_median']:.2f} | | |")
-    result = {"config": vars(args), "draft": draft, "torch_threads": torch.get_num_threads(),
-              "instances_note": "budget figures below are instance 0's" if args.instances > 1 else None,
-              "budget_rounds_by_instance": [{"chosen": e.budget.rounds, "speculating": e.budget.spec_rounds,
-                                             "guarded_plain": e.budget.guarded} for e in pools["on"]],
-              "cost_profile_on": engines["on"].cost_profile, "summary": summary, "rows": rows,
-              # the tree budget's cost model after the sweep's online corrections
-              "cost_model_on_end": engines["on"].budget.costs.to_json(),
-              "budget_rounds": {"observed": engines["on"].budget.costs.observed_rounds,
-                                "chosen": engines["on"].budget.rounds, "speculating": engines["on"].budget.spec_rounds,
-                                "explored_plain": engines["on"].budget.explored,
-                                "guarded_plain": engines["on"].budget.guarded},
-              "head_catchup_seconds": {name: e.runner.catchup_seconds for name, e in engines.items()},
-              # the measured guard: per batch size, pure decode rounds' tokens/s (running average, rounds)
-              "guard_measured": {str(n): m for n, m in sorted(engines["on"].budget.measured.items())},
-              # every budget engine's counters (on, and on-plain / on-z<Z> where run)
-              "budget_rounds_by_engine": {name: {"chosen": e.budget.rounds, "speculating": e.budget.spec_rounds,
-                                                 "guarded_plain": e.budget.guarded,
-                                                 "guard_z": e.budget.guard_z}
-                                          for name, e in engines.items() if e.budget is not None},
-              "source_digest": source, "source_changed": source != bd.source_digest(), "git_head": bd.git_head()}
+    result.update(torch_threads=torch.get_num_threads(), summary=summary, rows=rows, source_digest=source,
+                  source_changed=source != bd.source_digest(), git_head=bd.git_head())
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     png = os.path.splitext(args.out)[0] + ".png"
-    print("cost model at the end (on):", json.dumps(result["cost_model_on_end"]))
-    print("budget rounds (on):", json.dumps(result["budget_rounds"]))
-    print("head catch-up seconds:", json.dumps(result["head_catchup_seconds"]))
-    print("measured guard (on):", json.dumps(result["guard_measured"]))
+    if "server_metrics" in result:
+        for name, m in result["server_metrics"].items():
+            print(f"server {name}:", json.dumps({k: v for k, v in m.items() if "bucket" not in k}))
+    else:
+        print("cost model at the end (on):", json.dumps(result["cost_model_on_end"]))
+        print("budget rounds (on):", json.dumps(result["budget_rounds"]))
+        print("head catch-up seconds:", json.dumps(result["head_catchup_seconds"]))
+        print("measured guard (on):", json.dumps(result["guard_measured"]))
     print("wrote", args.out, png if plot(png, summary) else "")
 
 
