@@ -188,7 +188,7 @@ class HttpProc(Http):
             text = (await c.get(self.server.url + "/metrics", timeout=30)).text
         out = {}
         for fam in text_string_to_metric_families(text):
-            if not fam.name.startswith(("eagle_serve_spec", "eagle_serve_decode_steps", "eagle_serve_generation")):
+            if not fam.name.startswith(("eagle_serve_spec", "eagle_serve_decode", "eagle_serve_generation")):
                 continue
             for smp in fam.samples:
                 if smp.name.endswith("_created"):

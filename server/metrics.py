@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 COUNT_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0,
                    40.0, 80.0)
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 FINISH_REASONS = ("stop", "length", "abort", "error")
 MAX_DEPTH_LABELS = 16
 
@@ -19,6 +20,9 @@ class Metrics:
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
         self.decode_steps = Counter(p + "decode_steps", "Engine steps that decoded, by mode", ["mode"], registry=r)
+        # at which loads the engine drafts: the tree budget's choice is per batch size
+        self.decode_batch = Histogram(p + "decode_batch_size", "Sequences that decoded in an engine step, by mode",
+                                      ["mode"], buckets=BATCH_BUCKETS, registry=r)
         self.verify_steps = Counter(p + "spec_verify_steps", "Per-sequence rounds that verified a draft", registry=r)
         self.draft_tokens = Counter(p + "spec_draft_tokens", "Draft tokens verified", registry=r)
         self.accepted_tokens = Counter(p + "spec_accepted_tokens", "Draft tokens accepted", registry=r)
@@ -38,6 +42,7 @@ class Metrics:
         Gauge(p + "kv_cache_usage_ratio", "Fraction of KV blocks in use", registry=r).set_function(kv_usage)
         for mode in ("spec", "plain"):
             self.decode_steps.labels(mode)
+            self.decode_batch.labels(mode)
         for reason in FINISH_REASONS:
             self.requests.labels(reason)
         for d in range(1, min(max_depth, MAX_DEPTH_LABELS) + 1):
@@ -48,7 +53,9 @@ class Metrics:
         decoded = [r for r in ok if r.token_ids]
         if decoded:
             spec = any(r.num_draft_tokens for r in decoded)
-            self.decode_steps.labels("spec" if spec else "plain").inc()
+            mode = "spec" if spec else "plain"
+            self.decode_steps.labels(mode).inc()
+            self.decode_batch.labels(mode).observe(len(decoded))
         for r in decoded:
             if r.num_draft_tokens:
                 self.verify_steps.inc()

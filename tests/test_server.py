@@ -275,6 +275,13 @@ def test_metrics_are_consistent_with_responses(tiny_llama, head_dir):
         assert m["eagle_serve_time_to_first_token_seconds_count"] == 3
         assert m["eagle_serve_requests_running"] == 0 and m["eagle_serve_kv_cache_usage_ratio"] <= 1
         assert 'eagle_serve_spec_tree_tokens_bucket{le="64.0"}' in m
+        # one batch-size observation per decoding step, of each mode; one sequence at a time here
+        for mode in ("spec", "plain"):
+            steps = m[f'eagle_serve_decode_steps_total{{mode="{mode}"}}']
+            assert m[f'eagle_serve_decode_batch_size_count{{mode="{mode}"}}'] == steps
+            assert m[f'eagle_serve_decode_batch_size_sum{{mode="{mode}"}}'] == steps
+            assert m[f'eagle_serve_decode_batch_size_bucket{{le="1.0",mode="{mode}"}}'] == steps
+        assert m['eagle_serve_decode_steps_total{mode="spec"}'] > 0
     finally:
         srv.stop()
 
