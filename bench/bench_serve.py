@@ -162,7 +162,7 @@ class HttpProc(Http):
     def __init__(self, kind: str, args, instance: int):
         if kind not in ("on", "off"):
             raise SystemExit(f"engine {kind!r} has no server flags: http-proc runs on and off only")
-        self.kind, self.instance, self.reconnects = kind, instance, 0
+        self.reconnects = 0
         flags = ["--dtype", args.dtype, "--kv-cache-tokens", str(args.kv_cache_tokens), "--served-model-name", "m",
                  "--max-waiting", "10000", "--log-level", "warning"]
         flags += ["--draft", args.draft or default_draft_path()] if kind == "on" else ["--draft", "none", "--spec", "none"]
@@ -181,21 +181,13 @@ class HttpProc(Http):
         await asyncio.to_thread(self.server.terminate)
 
     async def metrics(self) -> dict:
-        """The server's speculation counters and histograms (/metrics), by sample name."""
+        """The server's speculation, decode-step and generation series (/metrics), by series."""
         import httpx2 as httpx
-        from prometheus_client.parser import text_string_to_metric_families
+        from server.metrics import parse_metrics
         async with httpx.AsyncClient() as c:
             text = (await c.get(self.server.url + "/metrics", timeout=30)).text
-        out = {}
-        for fam in text_string_to_metric_families(text):
-            if not fam.name.startswith(("eagle_serve_spec", "eagle_serve_decode", "eagle_serve_generation")):
-                continue
-            for smp in fam.samples:
-                if smp.name.endswith("_created"):
-                    continue
-                key = smp.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(smp.labels.items())) + "}" if smp.labels else "")
-                out[key] = smp.value
-        return out
+        keep = ("eagle_serve_spec", "eagle_serve_decode", "eagle_serve_generation")
+        return {k: v for k, v in parse_metrics(text).items() if k.startswith(keep) and "_created" not in k}
 
 
 async def stream_completion(client, model: str, ids, max_new: int):

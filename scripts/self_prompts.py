@@ -4,8 +4,8 @@ When a dataset's prompts run out (or a model has none that fit), the target can 
 user turn is opened in the chat template, started with one of a few generic openers ("Write",
 "Explain", "How", ...) and sampled to its end of turn; the prompts kept (finished within
 --prompt-max-tokens, --min-chars..--max-chars long, mostly ASCII, no repeats) are then answered
-greedily by the same engine, as `train-draft --regenerate` would, and written with the answer's
-token ids, so `train-draft --data OUT.jsonl` trains on them without regenerating. Usage:
+greedily by the same engine through `train-draft --regenerate`'s own code and written with the
+answer's token ids, so `train-draft --data OUT.jsonl` trains on them without regenerating. Usage:
 
     python scripts/self_prompts.py --count 2000 --out self.jsonl
     eagle-serve train-draft --data self.jsonl --max-conversations 2000 --init HEAD ...
@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -62,24 +63,14 @@ def write_prompts(llm, count: int, openers=OPENERS, max_tokens: int = 96, temper
     return out[:count]
 
 
-def answer(llm, prompts: list[str], max_tokens: int = 256, batch: int = 512, log=print) -> list[dict]:
-    """Greedy answers as training conversations (the assistant turn keeps the target's ids)."""
-    from engine.sampling_params import SamplingParams
-    tok, eos = llm.tokenizer, set(llm.runner.loaded.eos_token_ids)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    rows = []
-    for start in range(0, len(prompts), batch):
-        chunk = prompts[start:start + batch]
-        outs = llm.generate([tok.encode_chat([{"role": "user", "content": p}]) for p in chunk], params)
-        for p, o in zip(chunk, outs):
-            ids = list(o.token_ids)
-            if ids and ids[-1] in eos:
-                ids.pop()  # the template writes the end of turn
-            if ids:
-                rows.append({"messages": [{"role": "user", "content": p},
-                                          {"role": "assistant", "content": o.text, "token_ids": ids}]})
-        log(f"answers: {start + len(chunk)}/{len(prompts)}")
-    return rows
+def answer(llm, prompts: list[str], max_tokens: int = 256, log=print) -> list[dict]:
+    """Greedy answers as training conversations (the assistant turn keeps the target's ids):
+    `engine.train.trainer.regenerate` on one-turn conversations; empty answers are left out."""
+    from engine.train.trainer import TrainConfig, regenerate
+    with tempfile.TemporaryDirectory() as work:  # regenerate's resumable file, not kept
+        cfg = TrainConfig(model=None, out=work, regen_max_tokens=max_tokens)
+        convs = regenerate(cfg, [[{"role": "user", "content": p}] for p in prompts], log, llm=llm)
+    return [{"messages": c} for c in convs if len(c) == 2 and c[1].get("token_ids")]
 
 
 def main(argv=None) -> int:
@@ -113,9 +104,10 @@ def main(argv=None) -> int:
     with open(a.out, "w", encoding="utf-8") as f:
         for r in rows:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    tokens = sum(len(r["messages"][1]["token_ids"]) for r in rows)
-    print(f"{len(rows)} conversations ({tokens} answer tokens) -> {a.out}; prompts {t1 - t0:.0f} s, "
-          f"answers {time.time() - t1:.0f} s", file=sys.stderr)
+    lengths = [len(r["messages"][1]["token_ids"]) for r in rows]
+    print(f"{len(rows)} conversations ({sum(lengths)} answer tokens, {sum(n >= a.answer_max_tokens for n in lengths)} "
+          f"answers at --answer-max-tokens) -> {a.out}; prompts {t1 - t0:.0f} s, answers {time.time() - t1:.0f} s",
+          file=sys.stderr)
     return 0
 
 

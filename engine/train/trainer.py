@@ -144,10 +144,11 @@ def split_heldout(examples: list[Example], fraction: float, seed: int) -> tuple[
 
 # ---------------------------------------------------------------------------- regeneration
 
-def regenerate(cfg: TrainConfig, convs: list[list[dict]], log) -> list[list[dict]]:
+def regenerate(cfg: TrainConfig, convs: list[list[dict]], log, llm=None) -> list[list[dict]]:
     """Replace every assistant turn with the target's own greedy answer (batched through the
     engine), turn by turn so later turns see the regenerated history. Done conversations are
-    appended to OUT/regenerated.jsonl; a restart continues after the last one."""
+    appended to OUT/regenerated.jsonl; a restart continues after the last one. `llm`: an engine
+    of the target already built (default: one built here from cfg.model)."""
     from engine.sampling_params import SamplingParams
     from server.llm import LLM
     path = os.path.join(cfg.out, "regenerated.jsonl")
@@ -157,7 +158,9 @@ def regenerate(cfg: TrainConfig, convs: list[list[dict]], log) -> list[list[dict
             done = [json.loads(line)["messages"] for line in f if line.strip()]
     if len(done) >= len(convs):
         return done[:len(convs)]
-    llm = LLM(cfg.model, dtype=cfg.dtype, max_num_seqs=64, kv_cache_tokens=64 * (cfg.regen_max_prompt + cfg.regen_max_tokens + 32))
+    if llm is None:
+        llm = LLM(cfg.model, dtype=cfg.dtype, max_num_seqs=64,
+                  kv_cache_tokens=64 * (cfg.regen_max_prompt + cfg.regen_max_tokens + 32))
     tok = llm.tokenizer
     params = SamplingParams(max_tokens=cfg.regen_max_tokens, temperature=0.0)
     chunk = 512  # conversations per round of turns: large, so the batch stays full while answers finish
