@@ -8,12 +8,14 @@ builds each engine once carries into every repetition (bench_serve --instances).
 
     .venv/bin/python bench/bench_instances.py --engines off,off,on-plain,on-plain --seqs 16
     .venv/bin/python bench/bench_instances.py --engines on-plain,off,on-nodraft,on-nofeat --rounds 100
+    .venv/bin/python bench/bench_instances.py --engines off,off+lifo,on-nodraft,on-nodraft+lifo
 Writes --out (bench/results/instances.json).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import sys
 import time
@@ -32,9 +34,13 @@ def build(kind: str):
     away: on-nodraft (on-plain with its drafter replaced by none after the build: no head work
     at all), on-nofeat (its drafter keeps no features: observe and sync do nothing), off-slots
     ("off" reserving on's scratch slots past each sequence's committed length every round),
-    on-noslots (on-plain reserving none)."""
+    on-noslots (on-plain reserving none). Any kind may end in modifiers: +lifo (the block
+    allocator hands out the block freed last, its order before the lowest-id heap), +shuffle
+    (free blocks handed out in a random order), +hold (plain rounds keep their scratch
+    reservation instead of giving it back)."""
     from engine.spec.config import SpecConfig
     from engine.spec.drafters import NoDrafter
+    kind, *mods = kind.split("+")
     base = {"on-nodraft": "on-plain", "on-nofeat": "on-plain", "off-slots": "off", "on-noslots": "on-plain"}
     llm = bs.build_engine(base.get(kind, kind))
     if kind == "on-nodraft":
@@ -46,6 +52,19 @@ def build(kind: str):
         llm.loop.scheduler.spec_slots = SpecConfig("eagle2").scratch_slots
     elif kind == "on-noslots":
         llm.loop.scheduler.spec_slots = 1
+    for mod in mods:
+        free = llm.allocator._free
+        if mod == "lifo":
+            llm.allocator.lowest_first = False
+            free.sort(reverse=True)  # pop() hands out 0 first, then the block freed last
+        elif mod == "shuffle":
+            random.Random(0).shuffle(free)
+            if llm.allocator.lowest_first:
+                llm.allocator.lowest_first = False  # a heap would sort them back
+        elif mod == "hold":
+            llm.loop.scheduler.release_scratch = False
+        else:
+            raise SystemExit(f"unknown modifier +{mod} (+lifo, +shuffle, +hold)")
     return llm
 
 

@@ -96,3 +96,23 @@ def test_take_uncached_leaves_cached_prefixes_and_held_blocks_alone():
     assert a.num_free_blocks == 7 and all(a.cached(h) for h in hashes)
     again = a.new_table()
     assert a.match_prefix(again, hashes) == 8 and again.blocks == cached_blocks
+
+
+def test_blocks_are_handed_out_lowest_id_first():
+    """Live blocks stay packed at the start of the cache: a freed block is the next one taken
+    when it is the lowest free, whatever was freed after it (the last-freed order had left a
+    speculative engine's blocks scattered and its plain rounds 4-6% slower)."""
+    alloc = BlockAllocator(8, 2)
+    a, b, c = alloc.new_table(), alloc.new_table(), alloc.new_table()
+    for t in (a, b, c):
+        alloc.reserve(t, 2)
+    assert (a.blocks, b.blocks, c.blocks) == ([0], [1], [2])
+    alloc.free(a)
+    alloc.free(c)  # freed last, but 0 is lower
+    d = alloc.new_table()
+    alloc.reserve(d, 4)
+    assert d.blocks == [0, 2]
+    alloc.reserve(b, 6)  # b's scratch past its committed length: the lowest free blocks
+    assert b.blocks == [1, 3, 4]
+    alloc.commit(b, 2)
+    assert b.blocks == [1] and alloc._take() == 3

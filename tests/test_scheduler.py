@@ -56,6 +56,20 @@ async def run_concurrently(llm, reqs, stagger=0.0):
     return outs
 
 
+class FixedBudget:
+    """A tree budget that gives every decoding sequence `size` tokens, drafted `depth` deep."""
+
+    def __init__(self, size: int, depth: int | None = None):
+        self.size, self.depth, self.last_depths = size, depth, []
+
+    def choose(self, confidences, caps, prefill_tokens=0, depths=None):
+        self.last_depths = [self.depth] * len(confidences)
+        return [self.size] * len(confidences)
+
+    def observe(self, *args):
+        pass
+
+
 @pytest.mark.parametrize("spec", ["none", "eagle2-fixed", "eagle2-budget"])
 def test_concurrent_requests_equal_one_at_a_time(tiny_llama, head_dir, spec):
     kw = dict(KW, kv_cache_tokens=4096)
@@ -655,21 +669,11 @@ def test_budget_speculates_only_past_a_minimum_modelled_gain(n, min_gain, min_ga
 
 
 def test_engine_drafts_no_deeper_than_the_step_asks(tiny_llama, head_dir):
-    class Shallow:
-        last_depths: list = []
-
-        def choose(self, confidences, caps, prefill_tokens=0, depths=None):
-            self.last_depths = [1] * len(confidences)
-            return [4] * len(confidences)
-
-        def observe(self, *args):
-            pass
-
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     ref = LLM(tiny_llama[0], **KW, kv_cache_tokens=2048).generate([5, 6, 7, 8], params)[0].token_ids
     llm = LLM(tiny_llama[0], **KW, kv_cache_tokens=2048, draft=head_dir, tree_budget=False,
               spec=SpecConfig("eagle2", total_tokens=8, depth=4, top_k=3))
-    llm.loop.scheduler.budget = Shallow()
+    llm.loop.scheduler.budget = FixedBudget(4, depth=1)
     results = []
     real = llm.runner.execute
     llm.runner.execute = lambda steps: (lambda r: (results.extend(r), r)[1])(real(steps))
@@ -1100,4 +1104,31 @@ def test_failing_idle_profile_fails_no_request_and_is_not_retried(tiny_llama, he
     assert len(out.token_ids) == 6 and calls == [1]
     llm.generate([5, 6, 7, 8], params)
     assert calls == [1] and llm.loop.idle_due_in() is None
+    assert llm.allocator.num_free_blocks == llm.allocator.num_blocks
+
+
+def test_plain_rounds_give_their_scratch_reservation_back(tiny_llama, head_dir):
+    """A decoding sequence the budget decodes plainly holds the blocks of one more token, as
+    without speculation; one that drafts holds its scratch slots. Outputs are unchanged."""
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    ref = LLM(tiny_llama[0], **KW, kv_cache_tokens=2048).generate([5, 6, 7, 8], params)[0].token_ids
+    llm = LLM(tiny_llama[0], **KW, kv_cache_tokens=2048, draft=head_dir, tree_budget=False,
+              spec=SpecConfig("eagle2", total_tokens=8, depth=3, top_k=3))
+    sched = llm.loop.scheduler
+    budget = sched.budget = FixedBudget(1)
+    assert sched.spec_slots == 8
+    for size, scratch in ((1, 1), (8, 8)):
+        budget.size = size
+        held = []
+        real = sched.schedule
+
+        def schedule():
+            out = real()
+            held.extend((s.table.num_committed, len(s.table.blocks)) for s in out if s.num_scheduled == 1)
+            return out
+
+        sched.schedule = schedule
+        assert llm.generate([5, 6, 7, 8], params)[0].token_ids == ref
+        sched.schedule = real
+        assert held and all(n == -(-(c + scratch) // 4) for c, n in held), (size, held)
     assert llm.allocator.num_free_blocks == llm.allocator.num_blocks
