@@ -326,8 +326,10 @@ class TreeBudget:
         # running variance of one round's rate, the round of its last sample]}
         self.measured: dict[int, dict[str, list[float]]] = {}
         self.guarded = 0  # rounds the guard turned plain
+        self.catchup_per_seq = 0.0  # head catch-up seconds per sequence of a chosen speculating round (running)
+        self._catchup_rounds = 0
         self.spec_rounds = 0  # rounds that drafted (the choice, its probes and explorations)
-        self._pending: tuple[int, int, str] | None = None  # this round's (sequences, prefill, kind)
+        self._pending: tuple[int, int, str, bool] | None = None  # this round's (sequences, prefill, kind, probe)
         self._guard_rounds: dict[int, int] = {}  # batch size -> rounds chosen at it
 
     def observe(self, confidence: tuple[float, ...], tree_tokens: int, accepted: int,
@@ -359,13 +361,19 @@ class TreeBudget:
         """A round's measured wall time (see `CostModel.observe`); `committed`: the tokens it
         emitted, for the measured guard (pure decode rounds only: a prefill chunk's cost and
         its sequence's first token say nothing about decoding); `catchup`: seconds of it the
-        drafter spent consuming a backlog of pending pairs, which the cost model and the guard
-        both leave out. A backlog is what plain rounds left behind (or a new prompt's pairs, a
-        prefill-like cost per request), not what a speculating round costs: while the guard
-        holds speculation off, every probe found a backlog of 64 rounds or more and paid for it,
+        drafter spent consuming a backlog of pending pairs. The cost model leaves them out (a
+        backlog is not what a round of its size costs), and so does the guard for its probes
+        (the guard's and the model's): a probe follows a stretch of plain rounds by design, and
+        while the guard held speculation off every probe found a backlog of 64 rounds or more,
         so at one sequence probes measured 44 tok/s against 119 plain and the verdict could
-        never turn. The backlogs' seconds are small against the rounds' (0.7-1.1 s over a whole
-        concurrency sweep: bench/results/serve*.json, head_catchup_seconds). Rounds that carry
+        never turn; a probe is charged what a chosen round's catch-up costs per sequence
+        (`catchup_per_seq`, a running average) instead. Every other speculating round is charged its catch-up: the prompts' pairs of
+        the sequences it drafts for the first time, and what the plain rounds in between
+        (explorations, a verdict's plain stretch at a size it toggles around) left behind, are
+        what speculating at this load costs. Left out, they hid a loss: over HTTP at 8 clients
+        the guard measured speculating rounds at 542 tok/s against 504 plain, so the engine
+        kept drafting, and its catch-ups took 0.44 s of the 4.76 s run, which ran at 0.89x
+        the engine without speculation (bench_serve --transports http --concurrency 8). Rounds that carry
         a prefill chunk (`prefill`; None: as the round's `choose` was told) teach the cost model nothing unless the budget speculates in them
         (`spec_with_prefill`): the curves price decode rounds, and a forward of one long chunk
         plus a few decode tokens costs far less than as many tokens spread over many sequences'
@@ -378,11 +386,20 @@ class TreeBudget:
             self.costs.observe(tokens, levels, seconds - catchup, self.cost_rate)
         if committed is None or pending is None or not seconds > 0:
             return
-        n, prefill_tokens, kind = pending
+        n, prefill_tokens, kind, probe = pending
         if prefill_tokens or kind not in ("plain", "spec"):
             return
         entry = self.measured.setdefault(n, {}).setdefault(kind, [0.0, 0, 0.0, 0])
-        rate = committed / max(seconds - catchup, 1e-9)
+        charge = 0.0  # catch-up seconds counted against the round (see above)
+        if kind == "spec":
+            if not probe:
+                charge = catchup
+                a = self.guard_ema if self._catchup_rounds else 1.0  # the first one starts the average
+                self.catchup_per_seq += a * (catchup / n - self.catchup_per_seq)
+                self._catchup_rounds += 1
+            else:
+                charge = min(catchup, self.catchup_per_seq * n)
+        rate = committed / max(seconds - catchup + charge, 1e-9)
         entry[3] = self.rounds
         if not entry[1]:
             entry[0], entry[2] = rate, 0.0
@@ -516,7 +533,7 @@ class TreeBudget:
                 deep = [min(self.max_depth, caps[s] - 1) if d else 0 for s, d in enumerate(deep)]
                 self.explored_depth += 1
                 kind = "explore"  # not the budget's choice: kept out of the measured guard
-        self._pending = (n, prefill_tokens, kind)
+        self._pending = (n, prefill_tokens, kind, probe)
         if kind != "plain":
             self.spec_rounds += 1
         self.last_choice = sizes

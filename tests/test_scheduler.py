@@ -329,7 +329,7 @@ def test_measured_guard_stops_speculation_that_measures_slower_than_plain():
     every guard_probe rounds; a batch size whose speculation measures faster keeps it."""
     flat = CostModel([(1, 0.010), (64, 0.0105)], [(1, 0.001), (64, 0.002)])
 
-    def run(spec_rate, plain_rate, n, rounds=400, prefill=0, b=None, catchup=0.0, **kw):
+    def run(spec_rate, plain_rate, n, rounds=400, prefill=0, b=None, catchup=0.0, probe_catchup=0.0, **kw):
         b = b or TreeBudget(flat, 8, explore_every=32, cost_rate=0, guard_min=8, guard_probe=16, **kw)
         kinds = []
         for _ in range(rounds):
@@ -337,7 +337,8 @@ def test_measured_guard_stops_speculation_that_measures_slower_than_plain():
             spec = any(x > 1 for x in sizes)
             kinds.append(spec)
             committed = n * (2 if spec else 1)
-            extra = catchup if spec else 0.0  # a backlog consumed before the draft, timed apart
+            # a backlog consumed before the draft, timed apart: a probe's, or a chosen round's
+            extra = (probe_catchup if b._pending[3] else catchup) if spec else 0.0
             b.observe_round(sum(sizes) + prefill, [n] if spec else [],
                             committed / (spec_rate if spec else plain_rate) + extra, committed=committed, catchup=extra)
         return b, kinds
@@ -348,15 +349,20 @@ def test_measured_guard_stops_speculation_that_measures_slower_than_plain():
     assert sum(kinds[-160:]) == 10  # then plain, but one speculating probe in 16 rounds
     b, kinds = run(spec_rate=1200.0, plain_rate=1000.0, n=4)
     assert not b.guard_says_plain(4) and b.guarded == 0
-    # a backlog of head pairs consumed by speculating rounds (timed apart) is not what a
-    # speculating round costs: it does not turn the verdict (with it counted, 8 ms each would)
-    b, _ = run(spec_rate=1200.0, plain_rate=1000.0, n=4, catchup=0.008)
-    assert not b.guard_says_plain(4) and b.guarded == 0 and b.measured[4]["spec"][0] == pytest.approx(1200.0)
+    # head pairs a chosen speculating round consumes first (new prompts' pairs, what plain
+    # rounds in between left) are what speculating costs: 8 ms of them a round turn the verdict
+    # (and probes, whose own backlogs are the plain stretch's, are charged as much)
+    b, charged = run(spec_rate=1200.0, plain_rate=1000.0, n=4, catchup=0.008, probe_catchup=0.030)
+    assert b.guard_says_plain(4) and b.measured[4]["spec"][0] == pytest.approx(8 / (8 / 1200 + 0.008), rel=0.01)
+    assert b.catchup_per_seq == pytest.approx(0.002, rel=0.01) and sum(charged[-160:]) == 10
+    b, _ = run(spec_rate=1200.0, plain_rate=1000.0, n=4, catchup=0.0005)
+    assert not b.guard_says_plain(4) and b.guarded == 0
     assert kinds[:32].count(False) == 8  # plain's rate measured early: one round in 4 until it has 8
     assert kinds[-160:].count(False) == 5  # then only explore_every's one in 32
-    # the guard's verdict follows the measurements: speculation that turns faster comes back
+    # the guard's verdict follows the measurements: speculation that turns faster comes back,
+    # though every probe pays the backlog of the plain stretch before it (not charged to it)
     b, _ = run(spec_rate=800.0, plain_rate=1000.0, n=4)
-    b, kinds = run(spec_rate=1500.0, plain_rate=1000.0, n=4, b=b)
+    b, kinds = run(spec_rate=1500.0, plain_rate=1000.0, n=4, b=b, probe_catchup=0.030)
     assert not b.guard_says_plain(4) and sum(kinds[-100:]) >= 90
     # rounds with a prefill chunk decode plainly; allowed to speculate, they measure nothing
     # (their cost is not decoding's)
