@@ -36,8 +36,9 @@ def build(kind: str):
     ("off" reserving on's scratch slots past each sequence's committed length every round),
     on-noslots (on-plain reserving none). Any kind may end in modifiers: +lifo (the block
     allocator hands out the block freed last, its order before the lowest-id heap), +shuffle
-    (free blocks handed out in a random order), +hold (plain rounds keep their scratch
-    reservation instead of giving it back)."""
+    (the free blocks in a random order to start with, then the block freed last), +hold (plain
+    rounds keep their scratch reservation instead of giving it back; +hold+lifo is "on-plain"
+    as it was before either change)."""
     from engine.spec.config import SpecConfig
     from engine.spec.drafters import NoDrafter
     kind, *mods = kind.split("+")
@@ -53,14 +54,12 @@ def build(kind: str):
     elif kind == "on-noslots":
         llm.loop.scheduler.spec_slots = 1
     for mod in mods:
-        free = llm.allocator._free
+        alloc = llm.allocator
         if mod == "lifo":
-            llm.allocator.lowest_first = False
-            free.sort(reverse=True)  # pop() hands out 0 first, then the block freed last
-        elif mod == "shuffle":
-            random.Random(0).shuffle(free)
-            if llm.allocator.lowest_first:
-                llm.allocator.lowest_first = False  # a heap would sort them back
+            alloc.set_order(lowest_first=False)
+        elif mod == "shuffle":  # a random order to start with, then the block freed last
+            alloc.set_order(lowest_first=False)
+            random.Random(0).shuffle(alloc._free)
         elif mod == "hold":
             llm.loop.scheduler.release_scratch = False
         else:

@@ -35,7 +35,7 @@ def instrument(llm) -> dict:
     real = budget.observe_round
 
     def observe_round(tokens, levels, seconds, committed=None, catchup=0.0, prefill=None):
-        pending = budget._pending  # (sequences, prefill tokens, kind) of this round, set by choose()
+        pending = budget._pending  # (sequences, prefill tokens, kind, probe) of this round, set by choose()
         key = "none" if pending is None else pending[2] + ("+prefill" if pending[1] else "")
         entry = stats[key]
         entry[0] += 1

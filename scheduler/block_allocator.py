@@ -60,27 +60,40 @@ def block_hashes(tokens: list[int], block_size: int, parent: int | None = None) 
 class BlockAllocator:
     """Free list plus reference counts over `num_blocks` blocks of `block_size` tokens."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 lowest_first: bool = True):
+        """lowest_first: hand out the lowest free block id (False: the one freed last). On the
+        CPU where a block sits matters. With the last-freed order, a speculative engine's scratch
+        reservations (taken past every decoding sequence's committed length each round, given
+        back at commit) scattered its sequences' blocks, and its plain rounds ran 5.4% slower
+        than an engine without speculation; handed out lowest first, 0.5% (and handed out in a
+        random order, plain decoding 9% slower): bench/bench_instances.py --engines
+        off,off+lifo,on-plain,on-plain+lifo,on-plain+hold,off+shuffle, 16 sequences
+        (bench/results/instances_alloc.json). Lowest first keeps the free blocks that cache no
+        prefix packed at the start of the cache; blocks that do cache one keep their ids on the
+        LRU list until they are reused or evicted."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"need positive num_blocks and block_size, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        # Hand out the lowest free block id (False: the one freed last). On the CPU where a
-        # block sits matters: with the blocks handed out in a random order the target's forward
-        # at 16 sequences took 13% longer, and a speculative engine's scratch reservations,
-        # taken and given back every round, had left its plain rounds 4-6% slower than an
-        # engine without speculation under the last-freed order; lowest-first keeps every
-        # engine's live blocks packed at the start of the cache and measured the two equal
-        # (bench/bench_instances.py, kinds off, on-nodraft and their +lifo, +shuffle variants).
-        self.lowest_first = True
-        self._free: list[int] = list(range(num_blocks))  # a min-heap of the free block ids
+        self._free: list[int] = list(range(num_blocks))  # a min-heap of the free block ids (lowest_first)
+        self.set_order(lowest_first)
         self._refcount = [0] * num_blocks
         self._by_hash: dict[int, int] = {}
         self._hash_of: dict[int, int] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()  # unheld cached blocks, LRU first
         self.prefix_queried_tokens = 0  # tokens looked up in the prefix cache
         self.prefix_hit_tokens = 0  # of those, found (KV reused, not recomputed)
+
+    def set_order(self, lowest_first: bool) -> None:
+        """Hand out the lowest free block id from now on, or (False) the one freed last, the
+        lowest first among those free now."""
+        self.lowest_first = lowest_first
+        if lowest_first:
+            heapq.heapify(self._free)
+        else:
+            self._free.sort(reverse=True)
 
     @property
     def num_free_blocks(self) -> int:

@@ -326,10 +326,11 @@ class TreeBudget:
         # running variance of one round's rate, the round of its last sample]}
         self.measured: dict[int, dict[str, list[float]]] = {}
         self.guarded = 0  # rounds the guard turned plain
-        self.catchup_per_seq = 0.0  # head catch-up seconds per sequence of a chosen speculating round (running)
-        self._catchup_rounds = 0
+        # head catch-up seconds per sequence of a chosen speculating round (running, from 0)
+        self.catchup_per_seq = 0.0
         self.spec_rounds = 0  # rounds that drafted (the choice, its probes and explorations)
-        self._pending: tuple[int, int, str, bool] | None = None  # this round's (sequences, prefill, kind, probe)
+        # this round's (sequences, prefill, kind, probe)
+        self._pending: tuple[int, int, str, bool] | None = None
         self._guard_rounds: dict[int, int] = {}  # batch size -> rounds chosen at it
 
     def observe(self, confidence: tuple[float, ...], tree_tokens: int, accepted: int,
@@ -361,20 +362,23 @@ class TreeBudget:
         """A round's measured wall time (see `CostModel.observe`); `committed`: the tokens it
         emitted, for the measured guard (pure decode rounds only: a prefill chunk's cost and
         its sequence's first token say nothing about decoding); `catchup`: seconds of it the
-        drafter spent consuming a backlog of pending pairs. The cost model leaves them out (a
-        backlog is not what a round of its size costs), and so does the guard for its probes
-        (the guard's and the model's): a probe follows a stretch of plain rounds by design, and
-        while the guard held speculation off every probe found a backlog of 64 rounds or more,
-        so at one sequence probes measured 44 tok/s against 119 plain and the verdict could
-        never turn; a probe is charged what a chosen round's catch-up costs per sequence
-        (`catchup_per_seq`, a running average) instead. Every other speculating round is charged its catch-up: the prompts' pairs of
-        the sequences it drafts for the first time, and what the plain rounds in between
-        (explorations, a verdict's plain stretch at a size it toggles around) left behind, are
-        what speculating at this load costs. Left out, they hid a loss: over HTTP at 8 clients
-        the guard measured speculating rounds at 542 tok/s against 504 plain, so the engine
-        kept drafting, and its catch-ups took 0.44 s of the 4.76 s run, which ran at 0.89x
-        the engine without speculation (bench_serve --transports http --concurrency 8). Rounds that carry
-        a prefill chunk (`prefill`; None: as the round's `choose` was told) teach the cost model nothing unless the budget speculates in them
+        drafter spent consuming a backlog of pending pairs. The cost model leaves them out: a
+        backlog is not what a round of its size costs. The guard charges a speculating round
+        the budget chose its whole catch-up: the prompt pairs of sequences drafted for the first
+        time, and what plain rounds in between (explorations, a verdict's plain stretch at a
+        size the batch toggles around) left behind, are what speculating at this load costs.
+        Left out, they hid a loss: in an in-thread HTTP run at 8 clients the guard measured
+        speculating rounds at 542 tok/s against 504 plain at 8 sequences and kept drafting,
+        while the catch-ups took 0.44 s of the 4.76 s run, which ran at 0.89x the engine
+        without speculation (bench/results/serve_http_c8_uncharged.json). A probe (the guard's
+        or the model's) follows a stretch of plain rounds by design, and its own backlog is that
+        stretch's: while the guard held speculation off, probes that paid it measured 44 tok/s
+        against 119 plain at one sequence and the verdict could never turn. So a probe is
+        charged what chosen rounds pay per sequence (`catchup_per_seq`, a running average from
+        0, so it errs low), at most its own. Catch-ups in plain rounds (a non-drafting
+        sequence's backlog past SYNC_BACKLOG) and in full-depth explorations are charged to
+        neither kind. Rounds that carry a prefill chunk (`prefill`; None: as the round's
+        `choose` was told) teach the cost model nothing unless the budget speculates in them
         (`spec_with_prefill`): the curves price decode rounds, and a forward of one long chunk
         plus a few decode tokens costs far less than as many tokens spread over many sequences'
         trees (a 192-token profile point, 24 sequences x 8 tokens, read 148 ms; prefill rounds
@@ -394,9 +398,7 @@ class TreeBudget:
         if kind == "spec":
             if not probe:
                 charge = catchup
-                a = self.guard_ema if self._catchup_rounds else 1.0  # the first one starts the average
-                self.catchup_per_seq += a * (catchup / n - self.catchup_per_seq)
-                self._catchup_rounds += 1
+                self.catchup_per_seq += self.guard_ema * (catchup / n - self.catchup_per_seq)
             else:
                 charge = min(catchup, self.catchup_per_seq * n)
         rate = committed / max(seconds - catchup + charge, 1e-9)

@@ -95,10 +95,10 @@ class Scheduler:
 
     def _release_unused_scratch(self, scheduled: list[Sequence]) -> None:
         """A decoding sequence the budget decodes plainly this round writes one slot: its
-        scratch reservation goes back (the same blocks come back first when it drafts again), so
-        a plain round's KV blocks are those of an engine without speculation. Holding the
-        scratch cost plain rounds 2-7% of their target forward (bench/bench_instances.py,
-        on-nodraft against on-nodraft-noslots and off)."""
+        scratch reservation goes back before the step, so a plain round holds the blocks an
+        engine without speculation holds. Holding the scratch cost plain rounds 1.5% at 16
+        sequences with the lowest-first allocator (bench/bench_instances.py, on-plain against
+        on-plain+hold: bench/results/instances_alloc.json)."""
         if self.spec_slots <= 1 or not self.release_scratch:
             return
         for s in scheduled:

@@ -116,3 +116,13 @@ def test_blocks_are_handed_out_lowest_id_first():
     assert b.blocks == [1, 3, 4]
     alloc.commit(b, 2)
     assert b.blocks == [1] and alloc._take() == 3
+    lifo = BlockAllocator(8, 2, lowest_first=False)  # the block freed last comes back first
+    a, c = lifo.new_table(), lifo.new_table()
+    lifo.reserve(a, 4)
+    lifo.reserve(c, 2)
+    lifo.free(a)
+    lifo.reserve(c, 4)
+    assert c.blocks == [2, 0]
+    lifo.set_order(lowest_first=True)
+    lifo.reserve(c, 6)
+    assert c.blocks == [2, 0, 1]
