@@ -33,6 +33,7 @@ class BlockTable:
     blocks: list[int] = field(default_factory=list)
     num_committed: int = 0  # tokens whose KV is final
     num_registered: int = 0  # leading blocks registered in (or taken from) the prefix cache
+    borrowed: bool = False  # taken by `BlockAllocator.take_uncached`, not a sequence's
 
     @property
     def capacity(self) -> int:
@@ -78,6 +79,7 @@ class BlockAllocator:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._free: list[int] = list(range(num_blocks))  # a min-heap of the free block ids (lowest_first)
+        self.num_borrowed = 0  # blocks in tables from `take_uncached` not yet freed
         self.set_order(lowest_first)
         self._refcount = [0] * num_blocks
         self._by_hash: dict[int, int] = {}
@@ -103,6 +105,13 @@ class BlockAllocator:
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_held_blocks(self) -> int:
+        """Blocks sequences hold (and shared prefixes they hold): used blocks less those an
+        idle-time profile has borrowed for a moment (`take_uncached`), which the KV usage metric
+        would otherwise report as a full cache while the server is idle."""
+        return self.num_used_blocks - self.num_borrowed
 
     def match_prefix(self, table: BlockTable, hashes: list[int]) -> int:
         """Take the longest run of cached blocks matching `hashes` into an empty table; returns
@@ -177,6 +186,9 @@ class BlockAllocator:
         """Release all of a sequence's blocks (finish, abort, preemption)."""
         for block_id in reversed(table.blocks):
             self._release(block_id)
+        if table.borrowed:
+            self.num_borrowed -= len(table.blocks)
+            table.borrowed = False
         table.blocks.clear()
         table.num_committed = table.num_registered = 0
 
@@ -186,6 +198,8 @@ class BlockAllocator:
         table = self.new_table()
         while self._free:
             table.blocks.append(self._take())
+        table.borrowed = True
+        self.num_borrowed += len(table.blocks)
         return table
 
     def _trim(self, table: BlockTable) -> None:

@@ -52,7 +52,7 @@ class ServerState:
         spec = llm.engine_config.spec
         self.spec_method = spec.method
         self.metrics = Metrics(running=lambda: self.engine.num_running, waiting=lambda: self.engine.num_waiting,
-                               kv_usage=lambda: alloc.num_used_blocks / alloc.num_blocks, max_depth=spec.max_depth)
+                               kv_usage=lambda: alloc.num_held_blocks / alloc.num_blocks, max_depth=spec.max_depth)
         self.engine = AsyncEngine(llm.loop, on_step=self.metrics.on_step, on_finish=self.metrics.on_finish)
         self.created = int(time.time())
 

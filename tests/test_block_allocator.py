@@ -92,8 +92,11 @@ def test_take_uncached_leaves_cached_prefixes_and_held_blocks_alone():
     borrowed = a.take_uncached()
     assert sorted(borrowed.blocks) == sorted(set(range(8)) - set(held.blocks) - set(cached_blocks))
     assert a.num_free_blocks == 2  # only the cached ones remain takeable
+    # the KV usage metric's count: what sequences hold, not what an idle profile borrowed
+    assert a.num_used_blocks == 6 and a.num_held_blocks == 1
     a.free(borrowed)
     assert a.num_free_blocks == 7 and all(a.cached(h) for h in hashes)
+    assert a.num_used_blocks == a.num_held_blocks == 1 and a.num_borrowed == 0
     again = a.new_table()
     assert a.match_prefix(again, hashes) == 8 and again.blocks == cached_blocks
 
