@@ -64,7 +64,7 @@ def main(argv=None):
     load = argparse.Namespace(concurrency=str(args.concurrency), reps=args.reps, min_requests=args.min_requests,
                               max_new=args.max_new, transports="inproc")
     source = bd.source_digest()
-    rows = asyncio.run(bs.sweep(load, engines, prompts))
+    rows, _ = asyncio.run(bs.sweep(load, engines, prompts))
     kinds = {}
     for name, st in stats.items():
         kinds[name] = {k: {"rounds": v[0], "seconds": v[1], "tokens": v[2], "ms_per_round": 1e3 * v[1] / v[0],

@@ -33,11 +33,15 @@ import bench_serve as bs  # noqa: E402
 PHASES = ("plan", "draft", "verify", "accept", "hop", "complete", "round")
 
 
-def instrument(llm) -> dict:
-    """Time every round of `llm`'s engine loop by phase; returns {kind: {phase: [seconds...]}}."""
+def instrument(llm, by_previous: bool = False) -> dict:
+    """Time every round of `llm`'s engine loop by phase; returns {kind: {phase: [seconds...]}}.
+    by_previous: a round right after a drafting round is its own kind ("...<after-tree"), to see
+    whether a drafting round's output work (its extra tokens, streamed to the clients on the
+    event loop while the next round runs) lands on the round after it."""
     loop, runner = llm.loop, llm.runner
     stats: dict = collections.defaultdict(lambda: collections.defaultdict(list))
     cur: dict = {}
+    prev = {"tree": False}
     plan, execute, complete = loop.plan, loop.execute, loop.complete
 
     def timed_plan():
@@ -66,6 +70,9 @@ def instrument(llm) -> dict:
             prefill = any(len(s.token_ids) > 1 for s in steps)
             tree = any(getattr(r, "num_draft_tokens", 0) for r in cur["results"])
             kind = ("tree" if tree else "plain") + f"-{len(steps)}" + ("+prefill" if prefill else "")
+            if by_previous and prev["tree"]:
+                kind += "<after-tree"
+            prev["tree"] = tree
             row = stats[kind]
             row["plan"].append(cur["plan"])
             for p in ("draft", "verify", "accept"):
@@ -99,6 +106,8 @@ def main(argv=None):
     ap.add_argument("--engines", default="off,on-plain,on")
     ap.add_argument("--warmup-concurrency", type=int, default=2,
                     help="one untimed pass at this concurrency on every engine first (0: none)")
+    ap.add_argument("--by-previous", action="store_true",
+                    help="rounds right after a drafting round as kinds of their own (<after-tree)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "round_overhead.json"))
     args = ap.parse_args(argv)
     prompts = bs.load_prompts(args.prompts)
@@ -108,10 +117,10 @@ def main(argv=None):
         warm = argparse.Namespace(concurrency=str(args.warmup_concurrency), reps=1, min_requests=4,
                                   max_new=32, transports="inproc")
         asyncio.run(bs.sweep(warm, engines, prompts))
-    stats = {name: instrument(llm) for name, llm in engines.items()}
+    stats = {name: instrument(llm, args.by_previous) for name, llm in engines.items()}
     load = argparse.Namespace(concurrency=args.concurrency, reps=args.reps, min_requests=args.min_requests,
                               max_new=args.max_new, transports="inproc")
-    rows = asyncio.run(bs.sweep(load, engines, prompts))
+    rows, _ = asyncio.run(bs.sweep(load, engines, prompts))
     kinds = {name: summarise(st) for name, st in stats.items()}
     for name, ks in kinds.items():
         print(f"\n{name} (head catch-up {engines[name].runner.catchup_seconds:.2f} s)")

@@ -40,7 +40,7 @@ def main(argv=None):
     engines["second"] = bs.build_engine(args.kind)
     load = argparse.Namespace(concurrency=str(args.concurrency), reps=args.reps, min_requests=args.min_requests,
                               max_new=args.max_new, transports="inproc")
-    rows = asyncio.run(bs.sweep(load, engines, prompts))
+    rows, _ = asyncio.run(bs.sweep(load, engines, prompts))
     ratios = bs.rep_ratios(rows, "first", "second")
     print("first / second per repetition:", ", ".join(f"{r:.3f}" for r in ratios))
     print(f"median {statistics.median(ratios):.3f}")
