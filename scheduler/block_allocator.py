@@ -230,8 +230,7 @@ class BlockAllocator:
         if self._refcount[block_id] == 0:
             if block_id in self._hash_of:
                 self._evictable[block_id] = None
+            elif self.lowest_first:
+                heapq.heappush(self._free, block_id)
             else:
-                if self.lowest_first:
-                    heapq.heappush(self._free, block_id)
-                else:
-                    self._free.append(block_id)
+                self._free.append(block_id)

@@ -21,6 +21,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from scripts.sharegpt_instructions import keep  # noqa: E402  (the same length and ASCII filter)
+
 OPENERS = ("Write", "Explain", "How", "What", "Describe", "Imagine", "Can you", "Give me", "Why", "Compose",
            "List", "Solve", "Create", "Suggest", "Compare", "Summarize", "Help me", "Is it", "Which", "Tell me")
 
@@ -32,10 +34,6 @@ def user_prefix(tokenizer) -> str:
     if text.count(marker) != 1:
         raise ValueError("the chat template does not render a user turn's content verbatim")
     return text.split(marker)[0]
-
-
-def keep(text: str, min_chars: int, max_chars: int, ascii_share: float) -> bool:
-    return min_chars <= len(text) <= max_chars and sum(ch.isascii() for ch in text) >= ascii_share * len(text)
 
 
 def write_prompts(llm, count: int, openers=OPENERS, max_tokens: int = 96, temperature: float = 1.0,

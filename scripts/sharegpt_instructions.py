@@ -22,6 +22,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from engine.train.data import _read_sharegpt, normalise  # noqa: E402
 
 
+def keep(text: str, min_chars: int, max_chars: int, ascii_share: float) -> bool:
+    """An instruction worth training on: min_chars..max_chars long and at least ascii_share ASCII
+    (scripts/self_prompts.py filters the target's own prompts with it too)."""
+    return min_chars <= len(text) <= max_chars and sum(ch.isascii() for ch in text) >= ascii_share * len(text)
+
+
 def select(skip: int, count: int, min_chars: int, max_chars: int, ascii_share: float, after: int = 0) -> list[dict]:
     out, seen, n = [], set(), 0
     for item in _read_sharegpt():
@@ -35,9 +41,7 @@ def select(skip: int, count: int, min_chars: int, max_chars: int, ascii_share: f
         if first is None or first + 1 >= len(conv) or conv[first + 1]["role"] != "assistant":
             continue
         text = conv[first]["content"].strip()
-        if not (min_chars <= len(text) <= max_chars) or text in seen:
-            continue
-        if sum(ch.isascii() for ch in text) < ascii_share * len(text):
+        if text in seen or not keep(text, min_chars, max_chars, ascii_share):
             continue
         seen.add(text)
         out.append({"messages": [{"role": "user", "content": text},
