@@ -51,8 +51,15 @@ def run(args) -> dict:
     if device.type == "cpu":
         loaded.model.prepack()
     examples = [e for e in (render(loaded.tokenizer, c, cfg.max_len) for c in convs) if e is not None]
-    shards = extract_features(loaded, examples, os.path.join(work, "cache"), cfg.feature_key(), print, False)
-    ids, masks, feats, offsets = load_shards(shards)
+    # fused-feature heads (train-draft --aux-layers) read those layers' outputs too: one set for all
+    aux_sets = {tuple(head_aux_layers(p)) for p in args.heads.split(",")} - {()}
+    if len(aux_sets) > 1:
+        raise SystemExit(f"heads fuse different target layers {sorted(aux_sets)}: compare them in separate runs")
+    aux_layers = aux_sets.pop() if aux_sets else ()
+    cfg.aux_layers = aux_layers
+    shards = extract_features(loaded, examples, os.path.join(work, "cache"), cfg.feature_key(), print, False,
+                              aux_layers=aux_layers)
+    ids, masks, feats, offsets, aux = load_shards(shards)
     embed = loaded.model.model.embed_tokens.weight.detach().float()
     lm = loaded.model.lm_head.weight.detach().float()
     idx = list(range(len(examples)))
@@ -61,10 +68,11 @@ def run(args) -> dict:
     for path in args.heads.split(","):
         weights, bias = read_head(path, loaded)
         d2t = weights.pop("d2t").long() if "d2t" in weights else None
-        head = TrainHead(loaded.config, bias=bias)
+        layers = tuple(head_aux_layers(path))
+        head = TrainHead(loaded.config, bias=bias, aux_layers=layers)
         head.load_eagle_state_dict(weights)
         losses = Losses(embed, lm, d2t, 0.1)
-        ev = evaluate_head(head, losses, idx, ids, masks, feats, offsets, 4096, steps=3)
+        ev = evaluate_head(head, losses, idx, ids, masks, (feats, aux) if layers else feats, offsets, 4096, steps=3)
         if d2t is not None:
             ev["draft_vocab_coverage"] = float(torch.isin(ids[masks], d2t).float().mean())
         out["heads"][path] = ev
@@ -72,6 +80,11 @@ def run(args) -> dict:
               f"step 2 {ev['heldout_top1_step2']:.3f}, step 3 {ev['heldout_top1_step3']:.3f}, "
               f"loss {ev['heldout_loss']:.3f}", flush=True)
     return out
+
+
+def head_aux_layers(path: str) -> list[int]:
+    with open(os.path.join(path, "config.json")) as f:
+        return json.load(f).get("aux_layers") or []
 
 
 def write_mtbench(path: str) -> None:

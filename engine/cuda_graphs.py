@@ -366,7 +366,8 @@ class GraphRunner:
             torch.zeros(B, dtype=torch.int32, device=dev),  # committed tokens
             torch.zeros(B, dtype=torch.int32, device=dev),  # new tokens
             torch.zeros(B * Q * Q, dtype=torch.bool, device=dev),  # mask among the new tokens
-            torch.zeros(B * Q, cfg.hidden_size, dtype=dtype, device=dev),  # output hidden states
+            # output hidden states (and the aux layers' of a fused-feature head: set_aux_layers)
+            torch.zeros(B * Q, cfg.hidden_size * (1 + len(self.model.aux_layers)), dtype=dtype, device=dev),
         )
 
     def _views(self, key) -> tuple[torch.Tensor, ...]:

@@ -128,6 +128,8 @@ class ModelRunner:
         head = load_eagle_head(self.config.draft, self.model, self.dtype).to(self.device)
         if self.device.type == "cpu":
             head.prepack()
+        # a fused-feature head reads the target's features [f ; aux]: every forward returns them
+        self.model.set_aux_layers(head.aux_layers)
         return EagleDrafter(head, self.model, spec, self.num_blocks, self.config.block_size, self.dtype, self.device,
                             self.config.attention)
 
@@ -181,8 +183,9 @@ class ModelRunner:
         return results
 
     def forward(self, spans: list[SeqSpan]) -> torch.Tensor:
-        """Final-norm hidden states [T, hidden] of the packed new tokens: a CUDA graph replay
-        where the batch fits a captured bucket, else the eager forward."""
+        """Final-norm hidden states [T, hidden] of the packed new tokens ([T, (1 + n) hidden]
+        with a fused-feature head's n aux layers: LlamaForCausalLM.set_aux_layers): a CUDA graph
+        replay where the batch fits a captured bucket, else the eager forward."""
         return self.graphs.forward(spans, self.backend)
 
     def _draft(self, steps: list[SeqStep]) -> tuple[list[DraftTree], list[int]]:

@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--ttt-steps", type=int, default=1,
                    help="training-time test: also train the head on its own predictions for this many steps")
     t.add_argument("--p-weight", type=float, default=0.1, help="weight of the token-distribution loss")
+    t.add_argument("--aux-layers", default="", type=_layer_list,
+                   help="fused features: comma-separated target layers (0-based) whose outputs the head also "
+                        "reads, e.g. 2,15 (EAGLE-3's low and middle layers); empty: the final feature only")
     t.add_argument("--heldout-fraction", type=float, default=0.02)
     t.add_argument("--snapshots", type=int, default=8, help="heads saved along training, for the acceptance curve")
     t.add_argument("--seed", type=int, default=0)
@@ -155,6 +158,13 @@ def resolve_draft(args) -> str | None:
     return args.draft
 
 
+def _layer_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer indices, got {text!r}") from None
+
+
 def cmd_train_draft(args) -> int:
     from engine.train.trainer import TrainConfig, train_draft
     cfg = TrainConfig(model=None if args.model == "default" else args.model, out=args.out, data=args.data,
@@ -163,7 +173,7 @@ def cmd_train_draft(args) -> int:
                       regenerate=args.regenerate, regen_max_tokens=args.regen_max_tokens,
                       heldout_fraction=args.heldout_fraction, snapshots=args.snapshots, seed=args.seed,
                       dtype=args.dtype, progress=not args.no_progress, init=args.init,
-                      ttt_steps=args.ttt_steps, p_weight=args.p_weight)
+                      ttt_steps=args.ttt_steps, p_weight=args.p_weight, aux_layers=args.aux_layers)
     from scheduler.worker import on_engine_thread
     # on the engine thread, where regeneration's LLM runs too: one thread does all torch work
     card = on_engine_thread(train_draft, cfg, log=lambda m: print(m, file=sys.stderr, flush=True))

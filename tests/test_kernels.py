@@ -157,9 +157,11 @@ def test_fused_add_rms_norm(dtype, tol):
 
 @pytest.mark.skipif(native is None, reason="no AVX-512 bf16 CPU or no compiler")
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 6e-2)])
-def test_native_decode_stack_matches_python_forward(tiny_llama, dtype, tol):
+@pytest.mark.parametrize("aux", [(), (0,)])
+def test_native_decode_stack_matches_python_forward(tiny_llama, dtype, tol, aux):
     """The one-call native stack gives the Python path's hidden states and KV (decode batch of
-    two sequences, a single-sequence step, a 6-row step; shuffled blocks)."""
+    two sequences, a single-sequence step, a 6-row step; shuffled blocks); with aux layers set
+    (a fused-feature draft head's), also the same residual stream after them."""
     from engine.attention import make_backend
     from engine.forward_batch import SeqSpan, build_forward_batch
     from engine.kv_cache import KVCache
@@ -168,6 +170,7 @@ def test_native_decode_stack_matches_python_forward(tiny_llama, dtype, tol):
     model, cfg = loaded.model, loaded.config
     model.prepack()
     assert model._stack is not None
+    model.set_aux_layers(aux)
     backend = make_backend(cfg.head_dim ** -0.5, torch.device("cpu"), dtype)
     caches = [KVCache(cfg.num_layers, 32, 4, cfg.num_kv_heads, cfg.head_dim, dtype, torch.device("cpu"))
               for _ in range(2)]
@@ -191,6 +194,7 @@ def test_native_decode_stack_matches_python_forward(tiny_llama, dtype, tol):
                                             4, torch.device("cpu")), kv, backend)
         model._stack = stack
         outs.append((two.float(), one.float(), six.float(), kv.data.float()))
+        assert two.shape[-1] == cfg.hidden_size * (1 + len(aux))
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=tol, atol=tol)
 

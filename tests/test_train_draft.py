@@ -253,7 +253,8 @@ def test_feature_shards_are_reused_when_the_data_grows(tiny_llm, tmp_path):
                             shard_size=4)
     assert both[0] == first[0] and both[1] != first[1]  # the full first shard is reused as it is
     assert "1 of 3 shards cached" in logs[-1]
-    ids, masks, feats, offsets = load_shards(both)
+    ids, masks, feats, offsets, aux = load_shards(both)
+    assert aux is None
     assert len(offsets) == 11 and feats.shape[0] == ids.shape[0] == int(offsets[-1])
     n = len(logs)
     assert extract_features(tiny_llm.runner.loaded, examples, str(tmp_path / "cache"), "k", logs.append, False,
@@ -272,3 +273,62 @@ def test_heldout_split_does_not_depend_on_the_rest_of_the_data(tiny_llm, tmp_pat
     assert held_all and sorted(held_all + train_all) == list(range(60))
     assert held_part == [i for i in held_all if i < 30]  # growing the data never moves a conversation
     assert split_heldout(examples, 0.2, seed=1)[0] != held_all  # the seed picks another split
+
+
+def test_fused_feature_head_trains_serves_and_stays_lossless(tiny_llama, tmp_path):
+    """--aux-layers: the head also reads the target's residual stream after those layers (fused
+    features). It starts as the plain head it is initialised from, trains, saves `aux_layers` and
+    `fc_aux`, and the serving path computes what training computes; speculative greedy output
+    stays the plain output. A config whose aux layers the target lacks is a clear load error."""
+    from engine.attention import TorchAttention
+    from engine.forward_batch import SeqSpan, build_forward_batch
+    from engine.kv_cache import KVCache
+    from engine.loader import ModelLoadError
+    from engine.spec.eagle_head import load_eagle_head
+    from engine.train.head import TrainHead
+    data = write_jsonl(tmp_path / "d.jsonl", 30, seed=4)
+    common = dict(model=tiny_llama[0], data=data, max_len=128, lr=3e-3, batch_tokens=512, warmup_steps=2,
+                  dtype="float64", progress=False, heldout_fraction=0.1, snapshots=0, ttt_steps=2)
+    plain_dir, fused_dir = str(tmp_path / "plain"), str(tmp_path / "fused")
+    plain_card = train_draft(TrainConfig(out=plain_dir, epochs=2, **common), log=lambda m: None)
+    card = train_draft(TrainConfig(out=fused_dir, epochs=2, init=plain_dir, aux_layers=(0,), **common),
+                       log=lambda m: None)
+    # fc_aux starts at zero: before its first step the fused head is exactly the plain one
+    assert abs(card["history"][0]["heldout_loss"] - plain_card["heldout_loss"]) < 1e-3
+    assert card["history"][-1]["heldout_loss"] < card["history"][0]["heldout_loss"]
+    with open(os.path.join(fused_dir, "config.json")) as f:
+        assert json.load(f)["aux_layers"] == [0]
+    llm = LLM(tiny_llama[0], dtype="float64", device="cpu", kv_cache_tokens=2048, block_size=4, draft=fused_dir,
+              spec=SpecConfig("eagle2", total_tokens=6, depth=3, top_k=2), tree_budget=False)
+    target = llm.runner.model
+    assert llm.runner.drafter.head.aux_layers == (0,) and target.aux_layers == (0,)
+    # served fusion == trained fusion, on the saved (bf16-rounded) weights
+    head = load_eagle_head(fused_dir, target, torch.float64)
+    assert float(head.fc_aux.weight.abs().sum()) > 0
+    state = torch.load(os.path.join(fused_dir, "train_state.pt"), weights_only=False)["head"]
+    th = TrainHead(llm.runner.loaded.config, aux_layers=(0,)).double()
+    th.load_state_dict({k: v.double() for k, v in state.items()}, strict=False)
+    th.load_eagle_state_dict({k: v.to(torch.bfloat16).double() for k, v in th.eagle_state_dict().items()})
+    ids = list(range(5, 25))
+    feats, aux = torch.randn(len(ids), 64, dtype=torch.float64), 3 * torch.randn(len(ids), 64, dtype=torch.float64)
+    cfg = head.config
+    kv = KVCache(1, 16, 4, cfg.num_kv_heads, cfg.head_dim, torch.float64, torch.device("cpu"))
+    batch = build_forward_batch([SeqSpan(ids, 0, list(range(8)))], 4, torch.device("cpu"))
+    with torch.inference_mode():
+        served = head(target.model.embed_tokens(batch.input_ids), torch.cat([feats, aux], -1), batch, kv,
+                      TorchAttention(cfg.head_dim ** -0.5), target.model.rotary)
+        trained = th(target.model.embed_tokens.weight[torch.tensor(ids)][None], th.fuse(feats[None], aux[None]))[0]
+    torch.testing.assert_close(served, trained, rtol=0, atol=1e-9)
+    plain = LLM(tiny_llama[0], dtype="float64", device="cpu", kv_cache_tokens=2048, block_size=4)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    for p in ([5, 6, 7, 8, 9], [40, 41, 42]):
+        assert llm.generate(p, params)[0].token_ids == plain.generate(p, params)[0].token_ids
+    # the target has 2 layers: layer 1's output is the final feature already
+    with open(os.path.join(fused_dir, "config.json")) as f:
+        bad = {**json.load(f), "aux_layers": [1]}
+    with open(os.path.join(fused_dir, "config.json"), "w") as f:
+        json.dump(bad, f)
+    with pytest.raises(ModelLoadError, match="aux_layers"):
+        load_eagle_head(fused_dir, target, torch.float64)
+    with pytest.raises(DataError, match="--aux-layers"):
+        train_draft(TrainConfig(out=str(tmp_path / "x"), epochs=1, aux_layers=(1,), **common), log=lambda m: None)

@@ -5,7 +5,9 @@
 // Python-level call. `DecodeStack` holds every layer's weights once and runs the layers in C++
 // with the same kernels the Python path uses (skinny_linear, paged_attention, add_rms_norm);
 // tests/test_kernels.py checks it against the Python forward. The EAGLE draft head's one layer
-// runs through it too (no input norm, no final norm: empty weights).
+// runs through it too (no input norm, no final norm: empty weights). With `set_aux(layers)` the
+// output is [final ; the residual stream after each of those layers] side by side (the features a
+// fused-feature draft head reads).
 #include <torch/extension.h>
 #include <cmath>
 #include <vector>
@@ -55,6 +57,7 @@ c10::optional<torch::Tensor> opt(const torch::Tensor& t) {
 struct DecodeStack {
   std::vector<torch::Tensor> in_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, down;
   torch::Tensor final_norm;
+  std::vector<int64_t> aux_layers;
   int64_t heads, kv_heads, head_dim, inter;
   double eps, scale;
 
@@ -75,6 +78,7 @@ struct DecodeStack {
     torch::Tensor residual = h.clone();
     torch::Tensor delta = torch::zeros_like(h);
     torch::Tensor act = torch::empty({T, inter}, h.options());
+    std::vector<torch::Tensor> aux(aux_layers.size());
     for (size_t l = 0; l < qkv.size(); ++l) {
       // delta is 0 for layer 0; an empty norm weight means no input norm (the EAGLE head's layer)
       torch::Tensor x = in_norm[l].numel() ? add_rms_norm(residual, delta, in_norm[l], eps) : residual.add_(delta);
@@ -97,9 +101,19 @@ struct DecodeStack {
         silu_mul<scalar_t>(gu.data_ptr<scalar_t>(), act.data_ptr<scalar_t>(), T, inter);
       });
       delta = skinny_linear(act, down[l], c10::nullopt, false);
+      for (size_t j = 0; j < aux_layers.size(); ++j)
+        if (aux_layers[j] == static_cast<int64_t>(l)) aux[j] = delta + residual;  // the layer's output
     }
     // an empty final norm weight: the stack's raw output h + residual (the EAGLE head's feature)
-    return final_norm.numel() ? add_rms_norm(residual, delta, final_norm, eps) : residual.add_(delta);
+    torch::Tensor out = final_norm.numel() ? add_rms_norm(residual, delta, final_norm, eps) : residual.add_(delta);
+    if (aux_layers.empty()) return out;
+    aux.insert(aux.begin(), out);
+    return torch::cat(aux, 1);
+  }
+
+  void set_aux(std::vector<int64_t> layers) {
+    for (int64_t l : layers) TORCH_CHECK(l >= 0 && l < static_cast<int64_t>(qkv.size()), "aux layer out of range");
+    aux_layers = layers;
   }
 };
 
@@ -109,5 +123,6 @@ void register_decode_stack(pybind11::module& m) {
                           std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                           std::vector<torch::Tensor>, std::vector<torch::Tensor>, torch::Tensor, int64_t, int64_t,
                           int64_t, double, double>())
-      .def("forward", &DecodeStack::forward);
+      .def("forward", &DecodeStack::forward)
+      .def("set_aux", &DecodeStack::set_aux);
 }

@@ -88,20 +88,43 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         self._stack = None  # native decode stack, set by prepack() where available
         self._stack_max_rows = 0  # batches of up to this many tokens run through it
+        self.aux_layers: tuple[int, ...] = ()  # see set_aux_layers
+
+    def set_aux_layers(self, layers: tuple[int, ...]) -> None:
+        """Make every forward return [final feature ; the residual stream after each of these
+        layers] per token, [T, (1 + n) hidden]: the features a fused-feature draft head reads
+        (EAGLE-3's low and middle layers). compute_logits reads the first `hidden` columns."""
+        self.aux_layers = tuple(layers)
+        if self._stack is not None:
+            self._stack.set_aux(list(self.aux_layers))
 
     def forward(self, batch: ForwardBatch, kv: KVCache, backend: AttentionBackend) -> torch.Tensor:
-        """Final-norm hidden states [T, hidden] of every new token."""
+        """Final-norm hidden states [T, hidden] of every new token (with aux layers set: [T,
+        (1 + n) hidden], see set_aux_layers)."""
         if self._stack is not None and batch.input_ids.shape[0] <= self._stack_max_rows and backend.name == "native":
             return self._native_forward(batch, kv)
+        hidden, aux = self.forward_aux(batch, kv, backend, self.aux_layers)
+        return hidden if aux is None else torch.cat([hidden, aux], dim=-1)
+
+    def forward_aux(self, batch: ForwardBatch, kv: KVCache, backend: AttentionBackend,
+                    layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(final-norm hidden states [T, hidden], the residual stream after each of `layers`
+        side by side [T, len(layers) * hidden], or None for no layers). The Python path."""
         h = self.model.embed_tokens(batch.input_ids)
         batch.cos, batch.sin = self.model.rotary.lookup(batch.positions, h.dtype)
-        residual = None
-        for layer in self.model.layers:
+        residual, aux = None, {}
+        for i, layer in enumerate(self.model.layers):
             h, residual = layer(h, residual, batch, kv, backend)
-        return self.model.norm.add_forward(h, residual)[0]
+            if i in layers:
+                aux[i] = h + residual
+        hidden = self.model.norm.add_forward(h, residual)[0]
+        return hidden, (torch.cat([aux[i] for i in layers], dim=-1) if layers else None)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> float32 logits [N, vocab] (float64 models stay float64)."""
+        """[N, hidden] -> float32 logits [N, vocab] (float64 models stay float64); wider rows
+        (features with aux layers) use their first `hidden` columns."""
+        if hidden.shape[-1] != self.config.hidden_size:
+            hidden = hidden[:, :self.config.hidden_size].contiguous()
         logits = self.lm_head(hidden, float_out=True)
         return logits if logits.dtype == torch.float64 else logits.float()
 
@@ -110,6 +133,8 @@ class LlamaForCausalLM(nn.Module):
         packed = sum(m.prepack(native) for m in self.modules() if isinstance(m, Linear))
         self._stack, self._stack_max_rows = native_stack(self.model.layers, self.model.norm, self.config,
                                                          self.lm_head.weight.dtype, native)
+        if self._stack is not None and self.aux_layers:
+            self._stack.set_aux(list(self.aux_layers))
         return packed
 
     def _native_forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:

@@ -11,6 +11,12 @@ model.safetensors or pytorch_model.bin; a stray `embed_tokens.weight` must equal
 A reduced draft vocabulary (`draft_vocab_size` K in config.json, `d2t` [K] = the target id of each
 draft index, as `eagle-serve train-draft --draft-vocab K` writes it) makes the draft's LM head
 the K matching rows of the target's: drafting ranks K tokens instead of the whole vocabulary.
+Fused features (`aux_layers` [l_1, ...] in config.json, `fc_aux.weight` [h, n h], as
+`train-draft --aux-layers` writes them; EAGLE-3's idea on the EAGLE-2 head): where the target's
+features of a position are known, the head's input feature is f + fc_aux([rms(a_1) ; ...]), a_i
+being the target's residual stream after layer l_i, each RMS-normalised without a weight; the
+target then hands the drafter [f ; a_1 ; ...] per token. Deeper draft levels feed the head's own
+predicted features as before.
 """
 from __future__ import annotations
 
@@ -30,10 +36,12 @@ from engine.models.llama import DecoderLayer, LlamaForCausalLM, native_stack, na
 
 
 class EagleHead(nn.Module):
-    def __init__(self, cfg: ModelConfig, bias: bool):
+    def __init__(self, cfg: ModelConfig, bias: bool, aux_layers: tuple[int, ...] = ()):
         super().__init__()
         self.config = cfg
+        self.aux_layers = tuple(aux_layers)
         self.fc = Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=bias)
+        self.fc_aux = Linear(len(aux_layers) * cfg.hidden_size, cfg.hidden_size) if aux_layers else None
         self.layer = DecoderLayer(cfg, 0)
         self.layer.input_layernorm = nn.Identity()  # EAGLE's layer 0 has no input norm
         self.d2t: torch.Tensor | None = None  # [K] target ids of a reduced draft vocabulary
@@ -57,7 +65,12 @@ class EagleHead(nn.Module):
 
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, batch: ForwardBatch,
                 kv: KVCache, backend: AttentionBackend, rotary) -> torch.Tensor:
-        """embeds, features: [T, h] -> predicted next features [T, h]."""
+        """embeds [T, h], features [T, h] (or [T, (1 + n) h]: the target's [f ; aux], fused
+        here) -> predicted next features [T, h]."""
+        h = self.config.hidden_size
+        if features.shape[-1] > h:
+            features = features[:, :h] + self.fc_aux(aux_norm(features[:, h:], len(self.aux_layers),
+                                                              self.config.rms_norm_eps))
         x = self.fc(torch.cat([embeds, features], dim=-1))
         if self._stack is not None and x.shape[0] <= self._stack_max_rows and backend.name == "native":
             # one native call instead of ~15 Python-level ops (0.2 ms of a 1.65 ms one-level draft
@@ -73,6 +86,15 @@ class EagleHead(nn.Module):
         packed = sum(m.prepack(native) for m in self.modules() if isinstance(m, Linear))
         self._stack, self._stack_max_rows = native_stack([self.layer], None, self.config, self.fc.weight.dtype, native)
         return packed
+
+
+def aux_norm(aux: torch.Tensor, n: int, eps: float) -> torch.Tensor:
+    """[..., n h] -> each of the n chunks RMS-normalised (statistics in float32 at least), no
+    weight; the training module (engine.train.head) uses it too."""
+    a = aux.reshape(*aux.shape[:-1], n, aux.shape[-1] // n)
+    acc = torch.promote_types(a.dtype, torch.float32)
+    a = a * torch.rsqrt(a.to(acc).pow(2).mean(-1, keepdim=True) + eps).to(a.dtype)
+    return a.reshape(aux.shape)
 
 
 def _read_weights(path: str) -> dict[str, torch.Tensor]:
@@ -101,7 +123,15 @@ def load_eagle_head(path: str, target: LlamaForCausalLM, dtype: torch.dtype) -> 
                              f"not fit the target (hidden {t.hidden_size}, vocab {t.vocab_size})")
     weights = _read_weights(path)
     d2t = weights.pop("d2t", None)
-    head = EagleHead(cfg, bias="fc.bias" in weights)
+    aux = raw.get("aux_layers") or []
+    if not isinstance(aux, list) or not all(isinstance(i, int) and 0 <= i < t.num_layers - 1 for i in aux) \
+            or len(set(aux)) != len(aux):
+        raise ModelLoadError(f"draft head {path!r}: aux_layers {aux!r} must be distinct layers of the target "
+                             f"below its last ({t.num_layers - 1})")
+    if bool(aux) != ("fc_aux.weight" in weights):
+        raise ModelLoadError(f"draft head {path!r}: config aux_layers {aux} does not match its weights "
+                             f"({'no ' if 'fc_aux.weight' not in weights else ''}fc_aux.weight)")
+    head = EagleHead(cfg, bias="fc.bias" in weights, aux_layers=tuple(aux))
     _load(head, weights, target, dtype, path)
     k = raw.get("draft_vocab_size")
     if (d2t is None) != (k is None) or (d2t is not None and (d2t.dim() != 1 or len(d2t) != k)):

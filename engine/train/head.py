@@ -16,14 +16,18 @@ from torch import nn
 
 from engine.layers import RotaryEmbedding
 from engine.model_config import ModelConfig
+from engine.spec.eagle_head import aux_norm
 
 
 class TrainHead(nn.Module):
-    def __init__(self, cfg: ModelConfig, bias: bool = True):
+    def __init__(self, cfg: ModelConfig, bias: bool = True, aux_layers: tuple[int, ...] = ()):
         super().__init__()
         h = cfg.hidden_size
         self.cfg = cfg
+        self.aux_layers = tuple(aux_layers)
         self.fc = nn.Linear(2 * h, h, bias=bias)
+        # fused features: f + fc_aux([rms(a_1) ; ...]) over the residual streams of aux_layers
+        self.fc_aux = nn.Linear(len(aux_layers) * h, h, bias=False) if aux_layers else None
         self.q_proj = nn.Linear(h, cfg.q_size, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(h, cfg.kv_size, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(h, cfg.kv_size, bias=cfg.qkv_bias)
@@ -38,7 +42,14 @@ class TrainHead(nn.Module):
                 nn.init.normal_(m.weight, std=0.02)
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
+        if self.fc_aux is not None:  # starts as the plain EAGLE-2 head: only the final feature counts
+            nn.init.zeros_(self.fc_aux.weight)
 
+    def fuse(self, feats: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        """The input feature of a position whose target features are known: the final-norm
+        feature plus a learnt projection of the aux layers' outputs, each RMS-normalised
+        (no weight). Positions fed the head's own predictions take those unchanged."""
+        return feats + self.fc_aux(aux_norm(aux, len(self.aux_layers), self.cfg.rms_norm_eps))
     def forward(self, embeds: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
         """embeds, feats: [B, T, h] -> predicted next features [B, T, h]."""
         x, q, k, v = self._qkv(embeds, feats)
@@ -101,7 +112,8 @@ class TrainHead(nn.Module):
         cfg = self.cfg
         B, T = x.shape[:2]
         h = x + self.o_proj(a.transpose(1, 2).reshape(B, T, cfg.q_size))
-        n = h * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps).to(h.dtype) * self.norm_weight
+        acc = torch.promote_types(h.dtype, torch.float32)  # float64 heads (tests) keep float64
+        n = h * torch.rsqrt(h.to(acc).pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps).to(h.dtype) * self.norm_weight
         return h + self.down_proj(F.silu(self.gate_proj(n)) * self.up_proj(n))
 
     def eagle_state_dict(self) -> dict[str, torch.Tensor]:
@@ -115,10 +127,14 @@ class TrainHead(nn.Module):
             for pname, p in getattr(self, mod).named_parameters():
                 out[f"{name}.{pname}"] = p.detach()
         out["layers.0.post_attention_layernorm.weight"] = self.norm_weight.detach()
+        if self.fc_aux is not None:
+            out["fc_aux.weight"] = self.fc_aux.weight.detach()
         return out
 
     def load_eagle_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         mine = self.eagle_state_dict()
+        if "fc_aux.weight" not in weights:
+            mine.pop("fc_aux.weight", None)  # a plain head to start from: fc_aux stays zero
         missing = set(mine) - set(weights)
         if missing:
             raise ValueError(f"head weights lack {sorted(missing)}")
@@ -141,7 +157,7 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos[:, None] + rotated * sin[:, None]
 
 
-def head_config(target: ModelConfig, bias: bool, draft_vocab: int | None) -> dict:
+def head_config(target: ModelConfig, bias: bool, draft_vocab: int | None, aux_layers: tuple[int, ...] = ()) -> dict:
     """config.json of a one-layer Llama matching the target (the EAGLE layout)."""
     cfg = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 1,
@@ -155,6 +171,8 @@ def head_config(target: ModelConfig, bias: bool, draft_vocab: int | None) -> dic
         cfg["rope_scaling"] = target.rope_scaling
     if draft_vocab:
         cfg["draft_vocab_size"] = draft_vocab
+    if aux_layers:
+        cfg["aux_layers"] = list(aux_layers)
     return cfg
 
 

@@ -56,6 +56,7 @@ class TrainConfig:
     snapshots: int = 8  # heads saved along training (curve of acceptance vs tokens)
     save_every: int = 50  # optimizer steps between resumable checkpoints
     bias: bool = True
+    aux_layers: tuple[int, ...] = ()  # fused features: target layers whose outputs the head also reads
     progress: bool = True
     extra: dict = field(default_factory=dict)
 
@@ -68,7 +69,9 @@ class TrainConfig:
                   (self.draft_vocab is None or self.draft_vocab >= 2, "draft_vocab must be >= 2"),
                   (1 <= self.ttt_steps <= 8, "ttt_steps must be in [1, 8]"),
                   (0 < self.ttt_decay <= 1, "ttt_decay must be in (0, 1]"),
-                  (self.p_weight >= 0, "p_weight must be >= 0")]
+                  (self.p_weight >= 0, "p_weight must be >= 0"),
+                  (len(set(self.aux_layers)) == len(self.aux_layers) and all(i >= 0 for i in self.aux_layers),
+                   "aux_layers must be distinct layer indices >= 0")]
         for ok, msg in checks:
             if not ok:
                 raise ValueError(msg)
@@ -81,13 +84,16 @@ class TrainConfig:
 
     def feature_key(self) -> str:
         """What a token's cached target features depend on besides its conversation."""
-        return repr((self.model or "default", self.dtype))
+        if not self.aux_layers:
+            return repr((self.model or "default", self.dtype))
+        return repr((self.model or "default", self.dtype, tuple(self.aux_layers)))
 
     def train_key(self) -> str:
         """What a resumable training state depends on beyond the data."""
         keys = (self.data_key(), self.init, self.ttt_steps, self.ttt_decay, self.p_weight, self.lr,
                 self.batch_tokens, self.draft_vocab, self.epochs, self.noise, self.weight_decay,
-                self.warmup_steps, self.seed, self.heldout_fraction, self.bias)
+                self.warmup_steps, self.seed, self.heldout_fraction, self.bias) + \
+            ((tuple(self.aux_layers),) if self.aux_layers else ())
         return hashlib.sha256(repr(keys).encode()).hexdigest()[:16]
 
 
@@ -114,8 +120,15 @@ def train_draft(cfg: TrainConfig, log=print) -> dict:
                         f"{cfg.max_len}; need >= 2 (one for the held-out split)")
     held_idx, train_idx = split_heldout(examples, cfg.heldout_fraction, cfg.seed)
     cache = os.path.join(cfg.out, "cache")
-    shards = extract_features(loaded, examples, cache, cfg.feature_key(), log, cfg.progress)
-    ids, masks, feats, offsets = load_shards(shards)
+    n_layers = loaded.config.num_layers
+    if any(i >= n_layers - 1 for i in cfg.aux_layers):
+        raise DataError(f"--aux-layers must be below the target's last layer ({n_layers - 1}): its output is "
+                        f"the feature every head reads already")
+    shards = extract_features(loaded, examples, cache, cfg.feature_key(), log, cfg.progress,
+                              aux_layers=tuple(cfg.aux_layers))
+    ids, masks, feats, offsets, aux = load_shards(shards)
+    if aux is not None:
+        feats = (feats, aux)
     stats = {"conversations": len(examples), "tokens": int(offsets[-1]), "loss_tokens": int(masks.sum()),
              "train_conversations": len(train_idx), "heldout_conversations": len(held_idx)}
     log(f"features: {stats}")
@@ -211,8 +224,9 @@ def _drop_unanswered(conv: list[dict]) -> list[dict]:
 # ---------------------------------------------------------------------------- features
 
 def extract_features(loaded, examples: list[Example], cache: str, key: str, log, progress: bool,
-                     shard_size: int = 64, pack_tokens: int = 2048) -> list[str]:
-    """Target final-norm features of every token, packed forwards of up to pack_tokens tokens,
+                     shard_size: int = 64, pack_tokens: int = 2048, aux_layers: tuple[int, ...] = ()) -> list[str]:
+    """Target final-norm features of every token (and with aux_layers the residual stream after
+    each of those layers, as `aux`), packed forwards of up to pack_tokens tokens,
     saved per shard of shard_size conversations. A shard's file is named by a hash of `key` (the
     target and its dtype) and its conversations' ids and masks, so a shard already computed -
     by an interrupted run, or by a run over fewer conversations - is reused as it is."""
@@ -245,7 +259,7 @@ def extract_features(loaded, examples: list[Example], cache: str, key: str, log,
         bar = _bar(total, "features", progress)
     for si in todo:
         s, t = shard_ranges[si]
-        feats = []
+        feats, auxs = [], []
         group: list[Example] = []
 
         def flush():
@@ -256,7 +270,11 @@ def extract_features(loaded, examples: list[Example], cache: str, key: str, log,
                 b0 += nb
             with torch.inference_mode():
                 batch = build_forward_batch(spans, block, device)
-                hidden = model(batch, kv, backend)
+                if aux_layers:
+                    hidden, aux = model.forward_aux(batch, kv, backend, aux_layers)
+                    auxs.append(aux.to(torch.bfloat16).cpu())
+                else:
+                    hidden = model(batch, kv, backend)
             feats.append(hidden.to(torch.bfloat16).cpu())
             bar.update(sum(len(e.ids) for e in group))
             group.clear()
@@ -268,7 +286,7 @@ def extract_features(loaded, examples: list[Example], cache: str, key: str, log,
         if group:
             flush()
         tmp = os.path.join(cache, names[si] + ".part")
-        save_file({**shard_data[si], "feats": torch.cat(feats)}, tmp)
+        save_file({**shard_data[si], "feats": torch.cat(feats), **({"aux": torch.cat(auxs)} if auxs else {})}, tmp)
         os.replace(tmp, os.path.join(cache, names[si]))
     if todo:
         bar.close()
@@ -284,15 +302,19 @@ def shard_hash(key: str, ids: torch.Tensor, mask: torch.Tensor, offsets: torch.T
 
 
 def load_shards(paths: list[str]):
+    """(ids, masks, feats, offsets, aux or None) of the shards, concatenated."""
     from safetensors.torch import load_file
-    ids, masks, feats, offsets = [], [], [], [torch.zeros(1, dtype=torch.int64)]
+    ids, masks, feats, auxs, offsets = [], [], [], [], [torch.zeros(1, dtype=torch.int64)]
     for p in paths:
         d = load_file(p)
         ids.append(d["ids"].long())
         masks.append(d["mask"].bool())
         feats.append(d["feats"])
+        if "aux" in d:
+            auxs.append(d["aux"])
         offsets.append(d["offsets"][1:] + offsets[-1][-1])
-    return torch.cat(ids), torch.cat(masks), torch.cat(feats), torch.cat(offsets)
+    aux = torch.cat(auxs) if auxs and len(auxs) == len(paths) else None
+    return torch.cat(ids), torch.cat(masks), torch.cat(feats), torch.cat(offsets), aux
 
 
 # ---------------------------------------------------------------------------- training
@@ -322,6 +344,11 @@ def _batches(idx: list[int], offsets: torch.Tensor, batch_tokens: int, rng: rand
 
 
 def _pad(batch: list[int], ids, masks, feats, offsets):
+    """Padded (ids, mask, features) of the batch's conversations; feats may be (feats, aux), and
+    then the features come back as (features, aux) too."""
+    if isinstance(feats, tuple):
+        bid, bmask, bfeat = _pad(batch, ids, masks, feats[0], offsets)
+        return bid, bmask, (bfeat, _pad(batch, ids, masks, feats[1], offsets)[2])
     lens = [int(offsets[i + 1] - offsets[i]) for i in batch]
     T = max(lens)
     h = feats.shape[1]
@@ -348,11 +375,14 @@ class Losses:
         weighs decay**(s-1) in the loss. agree_full (agreement with the target's argmax over its
         whole vocabulary) only with full_vocab: the full LM head over every row costs more than
         the rest of a training step, so only evaluation asks for it."""
+        bfeat, baux = bfeat if isinstance(bfeat, tuple) else (bfeat, None)
         emb = self.embed[bid[:, 1:]]
         f_in = bfeat[:, :-1]
         if noise_amp > 0:
             f_in = f_in + (torch.rand(f_in.shape, generator=generator) * 2 - 1) * noise_amp
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bfeat.device.type == "cpu"):
+            if baux is not None:
+                f_in = head.fuse(f_in, baux[:, :-1])
             preds = head.forward_steps(emb, f_in, steps) if steps > 1 else [head(emb, f_in)]
         tgt = bfeat[:, 1:]
         w = torch.zeros_like(bmask[:, 1:])
@@ -420,10 +450,14 @@ def fit(cfg: TrainConfig, loaded, ids, masks, feats, offsets, train_idx, held_id
     else:
         coverage = 1.0
     losses = Losses(embed, lm, d2t, cfg.p_weight)
-    rms = float(feats[train_tok[:200000]].float().pow(2).mean().sqrt())
+    base = feats[0] if isinstance(feats, tuple) else feats
+    rms = float(base[train_tok[:200000]].float().pow(2).mean().sqrt())
     noise_amp = cfg.noise * rms
-    head = TrainHead(mcfg, bias=bias)
+    head = TrainHead(mcfg, bias=bias, aux_layers=tuple(cfg.aux_layers))
     if init is not None:
+        if "fc_aux.weight" in init and init["fc_aux.weight"].shape != getattr(head.fc_aux, "weight", torch.empty(0)).shape:
+            raise DataError(f"--init {cfg.init} fuses {init['fc_aux.weight'].shape[1] // mcfg.hidden_size} target "
+                            f"layers; pass the same --aux-layers as it was trained with")
         head.load_eagle_state_dict(init)
         log(f"starting from the head in {cfg.init}")
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
@@ -450,7 +484,7 @@ def fit(cfg: TrainConfig, loaded, ids, masks, feats, offsets, train_idx, held_id
             log(f"resuming at epoch {state['epoch']}, step {state['step']}")
         else:
             log("train_state.pt is from other settings: starting over")
-    hcfg = head_config(mcfg, bias, len(d2t) if d2t is not None else None)
+    hcfg = head_config(mcfg, bias, len(d2t) if d2t is not None else None, tuple(cfg.aux_layers))
 
     def save_state():
         tmp = ckpt + ".part"

@@ -1,0 +1,47 @@
+"""scripts/draft_vocab.py: a head's reduced draft vocabulary re-picked from conversations."""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors.torch import load_file
+
+from engine.spec.config import SpecConfig
+from engine.sampling_params import SamplingParams
+from scripts.draft_vocab import main
+from server.llm import LLM
+from tests.spec_helpers import write_eagle_head
+
+
+def test_revocabulised_head_keeps_its_weights_covers_the_data_and_serves(tiny_llama, tiny_llm, tmp_path):
+    head = str(tmp_path / "head")
+    write_eagle_head(head, tiny_llama[0], seed=1)
+    tok = tiny_llm.tokenizer
+    # assistant answers made of a few tokens only: a 12-token vocabulary covers them all
+    words = [tok.encode(w) for w in ("fox", "dog", "tree", "draft")]
+    rows = []
+    for i in range(12):
+        ids = [t for w in words[i % 4:] + words[:i % 4] for t in w]
+        rows.append({"messages": [{"role": "user", "content": "say it"},
+                                  {"role": "assistant", "content": tok.decode(ids), "token_ids": ids}]})
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = str(tmp_path / "out")
+    assert main(["--head", head, "--data", str(data), "--k", "12", "--out", out, "--model", tiny_llama[0]]) == 0
+    before, after = load_file(os.path.join(head, "model.safetensors")), load_file(os.path.join(out, "model.safetensors"))
+    assert set(before) - {"d2t"} == set(after) - {"d2t"}
+    for k in before:
+        if k != "d2t":
+            assert torch.equal(before[k], after[k])
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["draft_vocab_size"] == 12
+    d2t = after["d2t"]
+    answer_ids = {t for w in words for t in w}
+    assert len(d2t) == 12 and answer_ids <= set(d2t.tolist()) and set(tiny_llm.runner.loaded.eos_token_ids) <= set(d2t.tolist())
+    # the serving loader takes it; greedy speculation stays lossless
+    llm = LLM(tiny_llama[0], dtype="float64", device="cpu", kv_cache_tokens=2048, block_size=4, draft=out,
+              spec=SpecConfig("eagle2", total_tokens=6, depth=3, top_k=2), tree_budget=False)
+    assert llm.runner.drafter.head.d2t.tolist() == d2t.tolist()
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    assert llm.generate([5, 6, 7, 8], params)[0].token_ids == tiny_llm.generate([5, 6, 7, 8], params)[0].token_ids
