@@ -66,6 +66,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--methods", default="none,ngram,eagle1,eagle2,hf,llamacpp")
     ap.add_argument("--dtype", default="bfloat16", help="for ours and hf")
     ap.add_argument("--draft", default=None, help="EAGLE head directory (eagle1/eagle2 skipped without)")
+    ap.add_argument("--compare-draft", default=None,
+                    help="a second EAGLE head: every eagle2 row (and the budget's) also runs with it, "
+                         "named '<row>@<its directory name>', in the same alternating run")
     ap.add_argument("--ngram", default="4x3,8x7", help="ngram configs, total_tokens x depth")
     ap.add_argument("--eagle2", default="24x5x4", help="eagle2 shapes, comma-separated total_tokens x depth [x top_k]")
     ap.add_argument("--budget", default=None, help="also eagle2 with the load-aware tree budget, up to this shape")
@@ -159,11 +162,11 @@ def phase_snapshot(timings) -> tuple[float, float, float, int]:
 
 def spec_system(spec: SpecConfig, args, budget: bool = False, full_vocab: bool = False,
                 python_head: bool = False, guard_z: float | None = None,
-                min_gain: float | None = None) -> bd.System:
+                min_gain: float | None = None, draft: str | None = None) -> bd.System:
     """Our engine with `spec` (a fixed tree, or the tree budget, guard_z / min_gain: its guard's
     margin / the model's required gain where not the defaults); run() adds the request's spec
     counters and phase seconds."""
-    llm = LLM(None, dtype=args.dtype, spec=spec, draft=args.draft if spec.uses_head else None,
+    llm = LLM(None, dtype=args.dtype, spec=spec, draft=(draft or args.draft) if spec.uses_head else None,
               kv_cache_tokens=KV_CACHE_TOKENS, tree_budget=budget)
     if guard_z is not None:
         llm.budget.guard_z = guard_z
@@ -201,7 +204,8 @@ def spec_system(spec: SpecConfig, args, budget: bool = False, full_vocab: bool =
             "cost_profile": llm.cost_profile}
     name = (spec_name(spec) + ("-budget" if budget else "") + ("-fullvocab" if full_vocab else "")
             + ("-pyhead" if python_head else "") + (f"-z{guard_z:g}" if guard_z is not None else "")
-            + (f"-mg{min_gain:g}" if min_gain is not None else ""))
+            + (f"-mg{min_gain:g}" if min_gain is not None else "")
+            + (f"@{os.path.basename(os.path.normpath(draft))}" if draft else ""))
     return bd.System(name, "ours", args.dtype, run, info)
 
 
@@ -234,6 +238,11 @@ def build_systems(args, eos_id: int) -> list[bd.System]:
                     for z in args.budget_guard_z.split(",") if z.strip()]
         systems += [spec_system(spec_from_shape("eagle2", args.budget), args, budget=True, min_gain=float(g))
                     for g in args.budget_min_gain.split(",") if g.strip()]
+    if args.compare_draft and args.draft:
+        systems += [spec_system(spec, args, draft=args.compare_draft) for spec in specs if spec.method == "eagle2"]
+        if args.budget:
+            systems.append(spec_system(spec_from_shape("eagle2", args.budget), args, budget=True,
+                                       draft=args.compare_draft))
     if "hf" in args.methods or "llamacpp" in args.methods:
         bd.build_hf_dir(args.hf_dir)  # convert_gguf.sh reads it too
     if "hf" in args.methods:
