@@ -43,7 +43,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     llm = bs.build_engine("on")
     runner, drafter = llm.runner, llm.runner.drafter
-    hidden = runner.model.config.hidden_size
+    # as wide as the target hands the drafter ([f ; aux] for a fused-feature head)
+    hidden = runner.model.config.hidden_size * (1 + len(runner.model.aux_layers))
     source = bd.source_digest()
     rows = []
     with torch.inference_mode():

@@ -226,6 +226,8 @@ def method_specs(args) -> list[SpecConfig]:
 def build_systems(args, eos_id: int) -> list[bd.System]:
     if REF not in args.methods:
         raise SystemExit(f"--methods must include {REF} (the reference)")
+    if args.compare_draft and not args.draft:
+        raise SystemExit("--compare-draft needs --draft (the head it is compared with)")
     specs = method_specs(args)
     systems = [spec_system(spec, args) for spec in specs]
     if args.full_vocab and args.draft:

@@ -33,8 +33,8 @@ def run(args) -> dict:
     from engine.model_runner import resolve_device, resolve_dtype
     from engine.train.data import load_conversations, render
     from engine.train.head import TrainHead
-    from engine.train.trainer import (Losses, TrainConfig, read_head, evaluate_head, extract_features, load_shards,
-                                      regenerate)
+    from engine.train.trainer import (Losses, TrainConfig, head_aux_layers, read_head, evaluate_head,
+                                      extract_features, load_shards, regenerate)
     name = args.data if args.data in ("sharegpt", "mtbench") else os.path.splitext(os.path.basename(args.data))[0]
     work = os.path.join(args.work, f"{name}-{args.skip}-{args.skip + args.conversations}-{args.regen_max_tokens}")
     data = args.data
@@ -80,11 +80,6 @@ def run(args) -> dict:
               f"step 2 {ev['heldout_top1_step2']:.3f}, step 3 {ev['heldout_top1_step3']:.3f}, "
               f"loss {ev['heldout_loss']:.3f}", flush=True)
     return out
-
-
-def head_aux_layers(path: str) -> list[int]:
-    with open(os.path.join(path, "config.json")) as f:
-        return json.load(f).get("aux_layers") or []
 
 
 def write_mtbench(path: str) -> None:

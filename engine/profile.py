@@ -214,7 +214,8 @@ class ProfileRun:
     def _draft(self, n: int, ids_of: list[int]) -> bool:
         runner, bs, context, repeats = self.runner, self.runner.config.block_size, self.context, self.repeats
         drafter, vocab = runner.drafter, runner.loaded.config.vocab_size
-        h = runner.loaded.config.hidden_size
+        # as wide as the target hands the drafter: [f ; aux] for a fused-feature head
+        h = runner.loaded.config.hidden_size * (1 + len(runner.model.aux_layers))
         blocks_per = -(-(context + runner.spec.scratch_slots + 2 * repeats + 8) // bs)
         if n * blocks_per > len(ids_of):
             return False

@@ -75,8 +75,8 @@ def main(argv=None) -> int:
         report.update(eval_tokens=len(ev), eval_coverage_new=coverage(ev, d2t),
                       eval_coverage_old=coverage(ev, old) if old is not None else 1.0)
     os.makedirs(args.out, exist_ok=True)
-    for name in os.listdir(args.head):  # the card and anything else travel along
-        if name not in ("model.safetensors", "config.json") and os.path.isfile(os.path.join(args.head, name)):
+    for name in os.listdir(args.head):  # anything else travels along; the old card described the old vocabulary
+        if name not in ("model.safetensors", "config.json", "card.json") and os.path.isfile(os.path.join(args.head, name)):
             shutil.copy2(os.path.join(args.head, name), os.path.join(args.out, name))
     weights["d2t"] = d2t.to(torch.int64).contiguous()
     save_file(weights, os.path.join(args.out, "model.safetensors"))

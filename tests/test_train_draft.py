@@ -332,3 +332,12 @@ def test_fused_feature_head_trains_serves_and_stays_lossless(tiny_llama, tmp_pat
         load_eagle_head(fused_dir, target, torch.float64)
     with pytest.raises(DataError, match="--aux-layers"):
         train_draft(TrainConfig(out=str(tmp_path / "x"), epochs=1, aux_layers=(1,), **common), log=lambda m: None)
+    # a fused head fed plain-width features (or the wrong width) is a clear error, not a silent plain head
+    with pytest.raises(ValueError, match="width"), torch.inference_mode():
+        head(target.model.embed_tokens(batch.input_ids), feats[:, :32], batch, kv,
+             TorchAttention(cfg.head_dim ** -0.5), target.model.rotary)
+    # --init from a fused head needs its layers
+    with open(os.path.join(fused_dir, "config.json"), "w") as f:
+        json.dump({**bad, "aux_layers": [0]}, f)
+    with pytest.raises(DataError, match="fuses target layers \\[0\\]"):
+        train_draft(TrainConfig(out=str(tmp_path / "y"), epochs=1, init=fused_dir, **common), log=lambda m: None)

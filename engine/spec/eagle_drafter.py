@@ -123,7 +123,7 @@ class EagleDrafter(Drafter):
         wait for the next draft, except past MAX_BACKLOG pairs: sequences that finish in the
         meantime never pay for their prompts' pairs (2% of the rounds at 16 sequences, by
         cProfile). Pending pairs hold copied feature rows (hidden size x dtype bytes each:
-        1.1 KB for the default model)."""
+        1.1 KB for the default model, 4.6 KB with its fused features)."""
         self.idle_rounds += 1
         limit = MAX_BACKLOG if self.idle_rounds > IDLE_ROUNDS else SYNC_BACKLOG
         todo = [s for s in steps if self.states.get(s.seq_id) is not None

@@ -68,6 +68,10 @@ class EagleHead(nn.Module):
         """embeds [T, h], features [T, h] (or [T, (1 + n) h]: the target's [f ; aux], fused
         here) -> predicted next features [T, h]."""
         h = self.config.hidden_size
+        if features.shape[-1] not in (h, h * (1 + len(self.aux_layers))):
+            raise ValueError(f"draft head features of width {features.shape[-1]}: expected {h}"
+                             + (f" or {h * (1 + len(self.aux_layers))} (fused layers {list(self.aux_layers)})"
+                                if self.aux_layers else ""))
         if features.shape[-1] > h:
             features = features[:, :h] + self.fc_aux(aux_norm(features[:, h:], len(self.aux_layers),
                                                               self.config.rms_norm_eps))

@@ -110,6 +110,15 @@ def train_draft(cfg: TrainConfig, log=print) -> dict:
         loaded.model.prepack()
     if loaded.tokenizer is None or not loaded.tokenizer.chat_template:
         raise DataError("the target has no chat template; train-draft renders conversations with it")
+    n_layers = loaded.config.num_layers
+    if any(i >= n_layers - 1 for i in cfg.aux_layers):  # before hours of regeneration
+        raise DataError(f"--aux-layers must be below the target's last layer ({n_layers - 1}): its output is "
+                        f"the feature every head reads already")
+    if cfg.init:
+        init_aux = head_aux_layers(cfg.init)
+        if init_aux and tuple(init_aux) != tuple(cfg.aux_layers):
+            raise DataError(f"--init {cfg.init} fuses target layers {list(init_aux)}; pass --aux-layers "
+                            f"{','.join(map(str, init_aux))} (got {list(cfg.aux_layers) or 'none'})")
     convs = load_conversations(cfg.data, cfg.max_conversations)
     log(f"data: {len(convs)} conversations from {cfg.data}")
     if cfg.regenerate:
@@ -120,13 +129,11 @@ def train_draft(cfg: TrainConfig, log=print) -> dict:
                         f"{cfg.max_len}; need >= 2 (one for the held-out split)")
     held_idx, train_idx = split_heldout(examples, cfg.heldout_fraction, cfg.seed)
     cache = os.path.join(cfg.out, "cache")
-    n_layers = loaded.config.num_layers
-    if any(i >= n_layers - 1 for i in cfg.aux_layers):
-        raise DataError(f"--aux-layers must be below the target's last layer ({n_layers - 1}): its output is "
-                        f"the feature every head reads already")
     shards = extract_features(loaded, examples, cache, cfg.feature_key(), log, cfg.progress,
                               aux_layers=tuple(cfg.aux_layers))
     ids, masks, feats, offsets, aux = load_shards(shards)
+    if cfg.aux_layers and aux is None:
+        raise DataError(f"feature shards in {cache} lack the aux layers' features; remove them to recompute")
     if aux is not None:
         feats = (feats, aux)
     stats = {"conversations": len(examples), "tokens": int(offsets[-1]), "loss_tokens": int(masks.sum()),
@@ -313,7 +320,9 @@ def load_shards(paths: list[str]):
         if "aux" in d:
             auxs.append(d["aux"])
         offsets.append(d["offsets"][1:] + offsets[-1][-1])
-    aux = torch.cat(auxs) if auxs and len(auxs) == len(paths) else None
+    if auxs and len(auxs) != len(paths):
+        raise DataError("some feature shards have the aux layers' features and some do not")
+    aux = torch.cat(auxs) if auxs else None
     return torch.cat(ids), torch.cat(masks), torch.cat(feats), torch.cat(offsets), aux
 
 
@@ -455,10 +464,7 @@ def fit(cfg: TrainConfig, loaded, ids, masks, feats, offsets, train_idx, held_id
     noise_amp = cfg.noise * rms
     head = TrainHead(mcfg, bias=bias, aux_layers=tuple(cfg.aux_layers))
     if init is not None:
-        if "fc_aux.weight" in init and init["fc_aux.weight"].shape != getattr(head.fc_aux, "weight", torch.empty(0)).shape:
-            raise DataError(f"--init {cfg.init} fuses {init['fc_aux.weight'].shape[1] // mcfg.hidden_size} target "
-                            f"layers; pass the same --aux-layers as it was trained with")
-        head.load_eagle_state_dict(init)
+        head.load_eagle_state_dict(init)  # aux layers checked against --init's at the start
         log(f"starting from the head in {cfg.init}")
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     steps_per_epoch = len(_batches(train_idx, offsets, cfg.batch_tokens, random.Random(0)))
@@ -588,6 +594,15 @@ def evaluate_head(head, losses: "Losses", idx: list[int], ids, masks, feats, off
             "heldout_tokens": tot["n"],
             **({f"heldout_top1_step{i + 1}": a / max(n, 1) for i, (a, n) in enumerate(steps_tot)}
                if steps > 1 else {})}
+
+
+def head_aux_layers(path: str) -> list[int]:
+    """The target layers a head directory fuses (config.json `aux_layers`; [] for a plain head)."""
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            return list(json.load(f).get("aux_layers") or [])
+    except (OSError, ValueError):
+        return []  # read_head reports a missing or broken config clearly
 
 
 def read_head(path: str, loaded) -> tuple[dict[str, torch.Tensor], bool]:
