@@ -50,6 +50,7 @@ class TrainHead(nn.Module):
         feature plus a learnt projection of the aux layers' outputs, each RMS-normalised
         (no weight). Positions fed the head's own predictions take those unchanged."""
         return feats + self.fc_aux(aux_norm(aux, len(self.aux_layers), self.cfg.rms_norm_eps))
+
     def forward(self, embeds: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
         """embeds, feats: [B, T, h] -> predicted next features [B, T, h]."""
         x, q, k, v = self._qkv(embeds, feats)
