@@ -1,0 +1,181 @@
+#!/usr/bin/env python
+"""The native CPU kernels of the working tree against those of a git revision, side by side in
+one process (the machine's memory bandwidth drifts between runs, so only alternated pairs are
+compared).
+
+The revision's engine/kernels/*.cpp are compiled under another module name; each engine is built
+with one of the two modules (its packed weights, decode stacks and attention backend keep it),
+and every timed call switches `engine.kernels.native` to its module, so nothing of one runs in
+the other. Two parts, alternating the builds within every repetition:
+
+  linear   skinny_linear over the default model's layer shapes (30 x qkv / o / gate_up / down,
+           cold: each weight read once a pass) at 1..16 input rows: ms per pass
+  decode   single-stream greedy generation on MT-bench first turns with plain decoding and with
+           EAGLE-2 trees (the shipped head): tokens/s of each build, and their ratio
+
+    .venv/bin/python bench/bench_kernels_ab.py --rev HEAD [--trees 3x1x2,4x2x2] [--prompts 8]
+Writes --out (bench/results/kernels_ab.json).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import bench_decode as bd  # noqa: E402  (puts the project root on sys.path)
+import torch  # noqa: E402
+
+from engine import kernels  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.spec.config import SpecConfig  # noqa: E402
+from server.llm import LLM  # noqa: E402
+
+ROOT = os.path.dirname(HERE)
+SOURCES = ("cpu_gemv.cpp", "cpu_attention.cpp", "cpu_decode.cpp")
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2-135M: qkv, o, gate_up, down
+DRAFT = os.path.join(ROOT, "engine", "heads", "smollm2-135m-instruct")
+
+
+def build_rev(rev: str):
+    """The kernels as they were at `rev`, compiled as their own module."""
+    from torch.utils.cpp_extension import load
+    sha = subprocess.check_output(["git", "-C", ROOT, "rev-parse", "--short", rev], text=True).strip()
+    tmp = tempfile.mkdtemp(prefix=f"kernels_{sha}_")
+    for f in SOURCES:
+        src = subprocess.check_output(["git", "-C", ROOT, "show", f"{sha}:engine/kernels/{f}"])
+        # pybind11 registers classes process-wide: the revision's DecodeStack stays its module's own
+        src = src.replace(b'class_<DecodeStack>(m, "DecodeStack")',
+                          b'class_<DecodeStack>(m, "DecodeStack", pybind11::module_local())')
+        with open(os.path.join(tmp, f), "wb") as out:
+            out.write(src)
+    kernels.native()  # puts ninja on PATH as the engine's own build does
+    mod = load(f"eagle_serve_cpu_kernels_{sha}", [os.path.join(tmp, f) for f in SOURCES],
+               extra_cflags=kernels.FLAGS, build_directory=tmp, verbose=False)
+    return sha, mod, tmp
+
+
+@contextlib.contextmanager
+def using(mod):
+    """engine.kernels.native() answers `mod` inside the block."""
+    saved = kernels.native
+    kernels.native = lambda: mod
+    try:
+        yield
+    finally:
+        kernels.native = saved
+
+
+def linear_part(mods: dict, rows: list[int], reps: int) -> dict:
+    torch.manual_seed(0)
+    raw = [(torch.randn(o, i) * 0.02).to(torch.bfloat16) for _ in range(30) for o, i in SHAPES]
+    packed = {name: [m.pack_bf16(w) for w in raw] for name, m in mods.items()}
+    nbytes = sum(w.numel() * 2 for w in raw)
+    out = {}
+    for M in rows:
+        xs = [torch.randn(M, w.shape[1]).to(torch.bfloat16) for w in raw[:len(SHAPES)]]
+        ref = None
+        for name, m in mods.items():  # same numbers from both builds
+            y = m.skinny_linear(xs[0], packed[name][0], None, True)
+            assert ref is None or torch.equal(y, ref), "the two builds disagree"
+            ref = y
+        times = {name: [] for name in mods}
+        for _ in range(reps):
+            for name, m in mods.items():
+                ws = packed[name]
+                t0 = time.perf_counter()
+                for i, w in enumerate(ws):
+                    m.skinny_linear(xs[i % len(SHAPES)], w, None, False)
+                times[name].append(time.perf_counter() - t0)
+        out[M] = {name: {"ms": 1e3 * statistics.median(t), "gb_s": nbytes / statistics.median(t) / 1e9}
+                  for name, t in times.items()}
+        print(f"linear rows={M}: " + "  ".join(f"{n} {v['ms']:.2f} ms ({v['gb_s']:.0f} GB/s)" for n, v in out[M].items()),
+              flush=True)
+    return out
+
+
+def spec_of(tree: str) -> SpecConfig:
+    if tree == "none":
+        return SpecConfig("none")
+    t, d, k = (int(v) for v in tree.split("x"))
+    return SpecConfig("eagle2", total_tokens=t, depth=d, top_k=k)
+
+
+def decode_part(mods: dict, trees: list[str], prompts: list[list[int]], max_new: int) -> dict:
+    params = SamplingParams(max_tokens=max_new, temperature=0)
+    out = {}
+    for tree in trees:
+        spec = spec_of(tree)
+        engines = {}
+        for name, m in mods.items():
+            with using(m):
+                engines[name] = LLM(None, dtype="bfloat16", spec=spec, draft=DRAFT if spec.uses_head else None,
+                                    kv_cache_tokens=16384, tree_budget=False)
+                engines[name].generate(prompts[0], params)  # warm-up
+        toks = {name: 0 for name in mods}
+        secs = {name: 0.0 for name in mods}
+        outputs = {name: [] for name in mods}
+        for i, ids in enumerate(prompts):
+            order = list(mods) if i % 2 == 0 else list(mods)[::-1]
+            for name in order:
+                with using(mods[name]):
+                    t0 = time.perf_counter()
+                    o = engines[name].generate(ids, params)[0]
+                    secs[name] += time.perf_counter() - t0
+                toks[name] += len(o.token_ids)
+                outputs[name].append(list(o.token_ids))
+        names = list(mods)
+        same = sum(a == b for a, b in zip(outputs[names[0]], outputs[names[1]]))
+        rates = {name: toks[name] / secs[name] for name in mods}
+        out[tree] = {"tok_s": rates, "ratio": rates[names[1]] / rates[names[0]], "tokens": toks,
+                     "same_outputs": f"{same}/{len(prompts)}"}
+        print(f"decode {tree}: " + "  ".join(f"{n} {r:.1f} tok/s" for n, r in rates.items())
+              + f"  ratio {out[tree]['ratio']:.3f}  same outputs {same}/{len(prompts)}", flush=True)
+        del engines
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rev", default="HEAD", help="the baseline revision's kernels")
+    ap.add_argument("--rows", default="1,2,3,4,6,8,16")
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--trees", default="none,3x1x2,4x2x2", help="'none' and/or TOTALxDEPTHxTOPK")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "kernels_ab.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(torch.get_num_threads())
+    new = kernels.native()
+    if new is None:
+        sys.exit("the native kernels are unavailable on this machine")
+    sha, old, tmp = build_rev(args.rev)
+    mods = {f"rev-{sha}": old, "worktree": new}
+    try:
+        result = {"rev": sha, "git_head": bd.git_head() if hasattr(bd, "git_head") else None,
+                  "linear": linear_part(mods, [int(r) for r in args.rows.split(",")], args.reps)}
+        if not args.skip_decode:
+            prompts = bd.mtbench_ids(args.prompts)
+            result["decode"] = decode_part(mods, args.trees.split(","), prompts, args.max_new)
+            result["decode_config"] = {"prompts": args.prompts, "max_new": args.max_new, "draft": DRAFT,
+                                       "order": "alternating per prompt"}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()
