@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -55,52 +56,55 @@ _NO_MASK = torch.empty(0, dtype=torch.bool)
 
 
 def build_forward_batch(spans: list[SeqSpan], block_size: int, device: torch.device) -> ForwardBatch:
-    n_new = [len(s.token_ids) for s in spans]
-    n_cached = [s.num_cached for s in spans]
-    kv_lens = [c + n for c, n in zip(n_cached, n_new)]
-    B, Q, L = len(spans), max(n_new), max(kv_lens)
+    # Index arithmetic in numpy, one tensor per field at the end: at decode sizes the per-op cost
+    # of torch calls, not the arithmetic, was the build's time (75 us a call at one sequence).
+    n_new = np.fromiter((len(s.token_ids) for s in spans), np.int64, len(spans))
+    n_cached = np.fromiter((s.num_cached for s in spans), np.int64, len(spans))
+    kv_lens = n_cached + n_new
+    B, Q, L = len(spans), int(n_new.max()), int(kv_lens.max())
     ids = [t for s in spans for t in s.token_ids]
     positions = [p for s in spans for p in (s.positions or range(s.num_cached, s.num_cached + len(s.token_ids)))]
 
     # Slot of storage position p: block_table[p // block_size] * block_size + p % block_size.
     max_blocks = -(-L // block_size)
-    tables = torch.tensor([s.block_table[:max_blocks] + [0] * (max_blocks - len(s.block_table[:max_blocks]))
-                           for s in spans], dtype=torch.long)  # [B, max_blocks]
-    pos = torch.arange(L)
+    tables = np.zeros((B, max_blocks), np.int64)
+    for b, s in enumerate(spans):
+        row = s.block_table[:max_blocks]
+        tables[b, :len(row)] = row
+    pos = np.arange(L)
     grid = tables[:, pos // block_size] * block_size + pos % block_size  # [B, L]
-    valid_key = pos[None, :] < torch.tensor(kv_lens)[:, None]
-    kv_gather = torch.where(valid_key, grid, 0).reshape(-1)
-    new_rows = [grid[b, n_cached[b]:kv_lens[b]] for b in range(B)]
-    slot_mapping = torch.cat(new_rows)
+    kv_gather = np.where(pos[None, :] < kv_lens[:, None], grid, 0).reshape(-1)
+    slot_mapping = np.concatenate([grid[b, n_cached[b]:kv_lens[b]] for b in range(B)])
 
     mask = _attention_mask(spans, n_cached, n_new, Q, L)
     q_index = None
     if B > 1:
-        q_index = torch.cat([torch.arange(n) + b * Q for b, n in enumerate(n_new)])
+        q_index = np.concatenate([np.arange(n) + b * Q for b, n in enumerate(n_new)])
+    q_seq = np.repeat(np.arange(B), n_new)
+    q_row = np.arange(int(n_new.sum())) - np.repeat(np.cumsum(n_new) - n_new, n_new)
+    t = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
     return ForwardBatch(
         input_ids=torch.tensor(ids, dtype=torch.long, device=device),
         positions=torch.tensor(positions, dtype=torch.long, device=device),
-        slot_mapping=slot_mapping.to(device), kv_gather=kv_gather.to(device),
-        attn_mask=None if mask is None else mask.to(device),
-        q_index=None if q_index is None else q_index.to(device),
-        num_seqs=B, max_query_len=Q, max_kv_len=L, kv_lens=torch.tensor(kv_lens, device=device),
-        q_seq=torch.tensor([b for b, n in enumerate(n_new) for _ in range(n)], device=device),
-        q_row=torch.tensor([i for n in n_new for i in range(n)], device=device))
+        slot_mapping=t(slot_mapping), kv_gather=t(kv_gather),
+        attn_mask=None if mask is None else t(mask),
+        q_index=None if q_index is None else t(q_index),
+        num_seqs=B, max_query_len=Q, max_kv_len=L, kv_lens=t(kv_lens), q_seq=t(q_seq), q_row=t(q_row))
 
 
-def _attention_mask(spans, n_cached, n_new, Q, L) -> torch.Tensor | None:
+def _attention_mask(spans, n_cached, n_new, Q, L) -> np.ndarray | None:
     """[B, 1, Q, L]: query i of sequence b sees key j (committed, causal or tree ancestor)."""
     if len(spans) == 1 and Q == 1 and spans[0].tree_mask is None:
         return None  # one token sees every key
-    c = torch.tensor(n_cached)[:, None, None]
-    n = torch.tensor(n_new)[:, None, None]
-    i = torch.arange(Q)[None, :, None]
-    j = torch.arange(L)[None, None, :]
+    c = n_cached[:, None, None]
+    n = n_new[:, None, None]
+    i = np.arange(Q)[None, :, None]
+    j = np.arange(L)[None, None, :]
     mask = (j < c) | ((j >= c) & (j - c <= i) & (j < c + n))
     for b, s in enumerate(spans):
         if s.tree_mask is not None:
-            nb, cb = n_new[b], n_cached[b]
-            mask[b, :nb, cb - s.num_masked_cached:cb + nb] = s.tree_mask
+            nb, cb = int(n_new[b]), int(n_cached[b])
+            mask[b, :nb, cb - s.num_masked_cached:cb + nb] = s.tree_mask.cpu().numpy()
     mask &= i < n  # padded query rows see nothing ...
-    mask[:, :, 0] |= (i < n).logical_not()[:, :, 0]  # ... but key 0, so softmax stays finite
+    mask[:, :, 0] |= (i >= n)[:, :, 0]  # ... but key 0, so softmax stays finite
     return mask[:, None]
