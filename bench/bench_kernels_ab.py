@@ -6,7 +6,9 @@ compared).
 The revision's engine/kernels/*.cpp are compiled under another module name; each engine is built
 with one of the two modules (its packed weights, decode stacks and attention backend keep it),
 and every timed call switches `engine.kernels.native` to its module, so nothing of one runs in
-the other. Two parts, alternating the builds within every repetition:
+the other. Two parts, alternating the builds within every repetition, both on the engine's thread (torch
+ops on a second thread leave that thread's OpenMP team behind: after the linear part ran on the
+main thread, decoding on the engine thread ran at half speed, both builds alike):
 
   linear   skinny_linear over the default model's layer shapes (30 x qkv / o / gate_up / down,
            cold: each weight read once a pass) at 1..16 input rows: ms per pass
@@ -38,6 +40,7 @@ import torch  # noqa: E402
 from engine import kernels  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.spec.config import SpecConfig  # noqa: E402
+from scheduler.worker import on_engine_thread  # noqa: E402
 from server.llm import LLM  # noqa: E402
 
 ROOT = os.path.dirname(HERE)
@@ -153,6 +156,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--skip-linear", action="store_true")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "kernels_ab.json"))
     args = ap.parse_args()
     torch.set_num_threads(torch.get_num_threads())
@@ -163,7 +167,8 @@ def main() -> None:
     mods = {f"rev-{sha}": old, "worktree": new}
     try:
         result = {"rev": sha, "git_head": bd.git_head() if hasattr(bd, "git_head") else None,
-                  "linear": linear_part(mods, [int(r) for r in args.rows.split(",")], args.reps)}
+                  "linear": None if args.skip_linear else
+                  on_engine_thread(lambda: linear_part(mods, [int(r) for r in args.rows.split(",")], args.reps))}
         if not args.skip_decode:
             prompts = bd.mtbench_ids(args.prompts)
             result["decode"] = decode_part(mods, args.trees.split(","), prompts, args.max_new)
