@@ -54,7 +54,9 @@ def build_rev(rev: str):
     from torch.utils.cpp_extension import load
     sha = subprocess.check_output(["git", "-C", ROOT, "rev-parse", "--short", rev], text=True).strip()
     tmp = tempfile.mkdtemp(prefix=f"kernels_{sha}_")
-    for f in SOURCES:
+    files = subprocess.check_output(["git", "-C", ROOT, "ls-tree", "--name-only", sha, "engine/kernels/"],
+                                    text=True).split()
+    for f in (os.path.basename(p) for p in files if p.endswith((".cpp", ".h"))):  # sources and headers
         src = subprocess.check_output(["git", "-C", ROOT, "show", f"{sha}:engine/kernels/{f}"])
         # pybind11 registers classes process-wide: the revision's DecodeStack stays its module's own
         src = src.replace(b'class_<DecodeStack>(m, "DecodeStack")',

@@ -622,3 +622,21 @@ def test_compose_and_monitoring_config():
     (provider,) = yaml.safe_load((DOCKER / "grafana/provisioning/dashboards/eagle-serve.yaml").read_text())["providers"]
     assert mounts["./grafana/dashboards"] == provider["options"]["path"]
     assert os.path.exists(DOCKER / "grafana/dashboards/eagle-serve.json")
+
+
+def test_native_kernel_sources_and_their_headers_are_package_data():
+    """An installed (non-editable) package compiles engine/kernels on first use: every source the
+    loader names and every header they include must travel as package data."""
+    import fnmatch
+    data = _pyproject()["tool"]["setuptools"]["package-data"]["engine"]
+    kernels = ROOT / "engine" / "kernels"
+    loader = (kernels / "__init__.py").read_text()
+    sources = re.findall(r'"(\w+\.cpp)"', loader)
+    assert sources, "the loader's source list"
+    needed = set(sources)
+    for src in sources:
+        needed |= set(re.findall(r'#include "([^"]+)"', (kernels / src).read_text()))
+    assert "simd.h" in needed
+    for name in needed:
+        assert (kernels / name).exists(), name
+        assert any(fnmatch.fnmatch(f"kernels/{name}", pat) for pat in data), f"kernels/{name} is not package data"

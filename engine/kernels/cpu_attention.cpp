@@ -12,35 +12,15 @@
 #include <cmath>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
-template <typename T> inline __m512 load16(const T* p);
-template <> inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
-template <> inline __m512 load16<at::BFloat16>(const at::BFloat16* p) {
-  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+using eagle_simd::load16;
 
-// e^x for x <= 0 (16 lanes; x - max of an online softmax): 2^n * e^f with n = round(x / ln 2)
-// and |f| <= ln 2 / 2, e^f by a degree-7 Taylor polynomial (relative error ~2e-8, under float32's
-// rounding), 2^n by VSCALEFPS, which flushes x below ~-104 to 0 as e^x does in float32.
-inline __m512 exp_nonpos(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  // f = x - n ln 2 in two steps (ln 2 = hi + lo, hi exact in few bits) to keep f accurate
-  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), f);
-  __m512 p = _mm512_set1_ps(1.f / 5040.f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 720.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
+// e^x for x <= 0 (an online softmax's x - max): eagle_simd::exp_ps, whose upper clamp never
+// applies here; below ~-104 it flushes to 0 as e^x does in float32.
+inline __m512 exp_nonpos(__m512 x) { return eagle_simd::exp_ps(x); }
 
 constexpr int KEY_BLOCK = 16;
 
