@@ -200,6 +200,25 @@ def test_native_decode_stack_matches_python_forward(tiny_llama, dtype, tol, aux)
 
 
 @pytest.mark.skipif(native is None, reason="no AVX-512 bf16 CPU or no compiler")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_native_aux_norm_matches_the_torch_expression(dtype, tol, rows):
+    """A fused head's aux features: each chunk RMS-normalised, one native call on the CPU."""
+    from engine.spec.eagle_head import aux_norm
+    torch.manual_seed(0)
+    n, h, eps = 3, 96, 1e-5
+    x = (torch.randn(rows, n * h) * torch.tensor([0.5, 4.0, 30.0]).repeat_interleave(h)).to(dtype)
+    ref = x.double().view(rows, n, h)
+    ref = (ref * torch.rsqrt(ref.pow(2).mean(-1, keepdim=True) + eps)).view(rows, n * h)
+    got = aux_norm(x, n, eps)  # the native path
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.double(), ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(native.rms_norm_chunks(x, n, eps), got, rtol=0, atol=0)
+    x.requires_grad_(True)  # with autograd: the torch expression, same values
+    torch.testing.assert_close(aux_norm(x, n, eps).detach().double(), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(native is None, reason="no AVX-512 bf16 CPU or no compiler")
 def test_skinny_float_out_keeps_the_accumulator():
     """The LM head's logits come out in float32 straight from the accumulator: no bf16 rounding
     (which at |logit| ~ 25 has steps of 0.125 and turns near-ties into exact ties)."""

@@ -205,6 +205,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
                               torch::Tensor kv_lens, torch::Tensor q_seq, torch::Tensor q_row, torch::Tensor mask,
                               double scale);
 torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor weight, double eps);
+torch::Tensor rms_norm_chunks(torch::Tensor x, int64_t n, double eps);
 void register_decode_stack(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -213,5 +214,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias"), pybind11::arg("float_out") = false);
   m.def("paged_attention", &paged_attention, "attention of few queries over block-table slots");
   m.def("add_rms_norm", &add_rms_norm, "x += delta; return rms_norm(x) * weight");
+  m.def("rms_norm_chunks", &rms_norm_chunks, "each of n equal chunks of every row RMS-normalised, no weight");
   register_decode_stack(m);
 }
