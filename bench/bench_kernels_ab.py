@@ -12,10 +12,11 @@ main thread, decoding on the engine thread ran at half speed, both builds alike)
 
   linear   skinny_linear over the default model's layer shapes (30 x qkv / o / gate_up / down,
            cold: each weight read once a pass) at 1..16 input rows: ms per pass
-  decode   single-stream greedy generation on MT-bench first turns with plain decoding and with
-           EAGLE-2 trees (the shipped head): tokens/s of each build, and their ratio
+  decode   greedy generation on MT-bench first turns with plain decoding, EAGLE-2 trees or the
+           tree budget ('budget'; the shipped head), one sequence at a time or --batch at once:
+           tokens/s of each build, and their ratio
 
-    .venv/bin/python bench/bench_kernels_ab.py --rev HEAD [--trees 3x1x2,4x2x2] [--prompts 8]
+    .venv/bin/python bench/bench_kernels_ab.py --rev HEAD [--trees none,3x1x2,budget] [--prompts 8] [--batch 16]
 Writes --out (bench/results/kernels_ab.json).
 """
 from __future__ import annotations
@@ -111,12 +112,17 @@ def linear_part(mods: dict, rows: list[int], reps: int) -> dict:
 def spec_of(tree: str) -> SpecConfig:
     if tree == "none":
         return SpecConfig("none")
+    if tree == "budget":  # the serving default: EAGLE-2 under the tree budget, up to 24 tokens
+        return SpecConfig("eagle2", total_tokens=24, depth=5, top_k=4)
     t, d, k = (int(v) for v in tree.split("x"))
     return SpecConfig("eagle2", total_tokens=t, depth=d, top_k=k)
 
 
-def decode_part(mods: dict, trees: list[str], prompts: list[list[int]], max_new: int) -> dict:
+def decode_part(mods: dict, trees: list[str], prompts: list[list[int]], max_new: int, batch: int = 1) -> dict:
+    """batch > 1: `batch` prompts at a time through one generate call (the scheduler batches
+    them), alternating the builds per group."""
     params = SamplingParams(max_tokens=max_new, temperature=0)
+    groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     out = {}
     for tree in trees:
         spec = spec_of(tree)
@@ -124,27 +130,28 @@ def decode_part(mods: dict, trees: list[str], prompts: list[list[int]], max_new:
         for name, m in mods.items():
             with using(m):
                 engines[name] = LLM(None, dtype="bfloat16", spec=spec, draft=DRAFT if spec.uses_head else None,
-                                    kv_cache_tokens=16384, tree_budget=False)
-                engines[name].generate(prompts[0], params)  # warm-up
+                                    kv_cache_tokens=16384 * max(1, batch // 2), tree_budget=tree == "budget")
+                engines[name].generate(groups[0], params)  # warm-up
         toks = {name: 0 for name in mods}
         secs = {name: 0.0 for name in mods}
         outputs = {name: [] for name in mods}
-        for i, ids in enumerate(prompts):
+        for i, group in enumerate(groups):
             order = list(mods) if i % 2 == 0 else list(mods)[::-1]
             for name in order:
                 with using(mods[name]):
                     t0 = time.perf_counter()
-                    o = engines[name].generate(ids, params)[0]
+                    outs = engines[name].generate(group, params)
                     secs[name] += time.perf_counter() - t0
-                toks[name] += len(o.token_ids)
-                outputs[name].append(list(o.token_ids))
+                for o in outs:
+                    toks[name] += len(o.token_ids)
+                    outputs[name].append(list(o.token_ids))
         names = list(mods)
         same = sum(a == b for a, b in zip(outputs[names[0]], outputs[names[1]]))
         rates = {name: toks[name] / secs[name] for name in mods}
         out[tree] = {"tok_s": rates, "ratio": rates[names[1]] / rates[names[0]], "tokens": toks,
                      "same_outputs": f"{same}/{len(prompts)}"}
         print(f"decode {tree}: " + "  ".join(f"{n} {r:.1f} tok/s" for n, r in rates.items())
-              + f"  ratio {out[tree]['ratio']:.3f}  same outputs {same}/{len(prompts)}", flush=True)
+              + f"  ratio {out[tree]['ratio']:.3f}  same outputs {same}/{len(prompts)}  (batch {batch})", flush=True)
         del engines
     return out
 
@@ -156,6 +163,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--trees", default="none,3x1x2,4x2x2", help="'none' and/or TOTALxDEPTHxTOPK")
     ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=1, help="prompts per generate call (concurrent sequences)")
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--skip-linear", action="store_true")
@@ -173,9 +181,9 @@ def main() -> None:
                   on_engine_thread(lambda: linear_part(mods, [int(r) for r in args.rows.split(",")], args.reps))}
         if not args.skip_decode:
             prompts = bd.mtbench_ids(args.prompts)
-            result["decode"] = decode_part(mods, args.trees.split(","), prompts, args.max_new)
+            result["decode"] = decode_part(mods, args.trees.split(","), prompts, args.max_new, args.batch)
             result["decode_config"] = {"prompts": args.prompts, "max_new": args.max_new, "draft": DRAFT,
-                                       "order": "alternating per prompt"}
+                                       "batch": args.batch, "order": "alternating per group of batch prompts"}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

@@ -28,11 +28,12 @@ def build_tokenizer(vocab_size: int):
 
 def write_tiny_model(path: str, arch: str = "llama", *, tie: bool = False, kv_heads: int = 2,
                      rope_scaling: dict | None = None, vocab: int = 320, layers: int = 2,
-                     dtype=torch.float64, seed: int = 0, std: float = 0.15, tokenizer: bool = True):
+                     dtype=torch.float64, seed: int = 0, std: float = 0.15, tokenizer: bool = True,
+                     intermediate: int = 128):
     """Save a random HF model (LlamaForCausalLM or Qwen2ForCausalLM) + tokenizer to `path`."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
     torch.manual_seed(seed)
-    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+    common = dict(hidden_size=64, intermediate_size=intermediate, num_hidden_layers=layers, num_attention_heads=4,
                   num_key_value_heads=kv_heads, vocab_size=vocab, max_position_embeddings=512,
                   tie_word_embeddings=tie, initializer_range=std, eos_token_id=2, bos_token_id=1,
                   rms_norm_eps=1e-6)

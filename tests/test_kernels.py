@@ -214,8 +214,40 @@ def test_native_aux_norm_matches_the_torch_expression(dtype, tol, rows):
     assert got.dtype == dtype
     torch.testing.assert_close(got.double(), ref, rtol=tol, atol=tol)
     torch.testing.assert_close(native.rms_norm_chunks(x, n, eps), got, rtol=0, atol=0)
-    x.requires_grad_(True)  # with autograd: the torch expression, same values
+    x.requires_grad_(True)  # with autograd: the torch expression (within an ulp of the kernel in bf16)
     torch.testing.assert_close(aux_norm(x, n, eps).detach().double(), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(native is None, reason="no AVX-512 bf16 CPU or no compiler")
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 6e-2)])
+def test_native_stack_silu_lanes_tail_and_large_gates(tmp_path, dtype, tol):
+    """The stack's vectorised SiLU x up: an intermediate size that leaves a scalar tail (40 = 2 x
+    16 + 8) and gate pre-activations of +-100 (exp's clamps) give the Python path's states."""
+    from conftest import write_tiny_model
+    from engine.attention import make_backend
+    from engine.forward_batch import SeqSpan, build_forward_batch
+    from engine.kv_cache import KVCache
+    from engine.loader import load_model
+    write_tiny_model(str(tmp_path), layers=1, intermediate=40, tokenizer=False)
+    loaded = load_model(str(tmp_path), dtype, torch.device("cpu"), skip_tokenizer=True)
+    model, cfg = loaded.model, loaded.config
+    with torch.no_grad():  # gate rows scaled up: |g| reaches ~100 on these inputs
+        model.model.layers[0].mlp.gate_up_proj.weight[:40] *= 60
+    model.prepack()
+    assert model._stack is not None
+    backend = make_backend(cfg.head_dim ** -0.5, torch.device("cpu"), dtype)
+    outs = []
+    for use_stack in (True, False):
+        kv = KVCache(cfg.num_layers, 8, 4, cfg.num_kv_heads, cfg.head_dim, dtype, torch.device("cpu"))
+        stack = model._stack
+        model._stack = stack if use_stack else None
+        with torch.inference_mode():
+            model(build_forward_batch([SeqSpan([5, 8, 13, 21, 34, 55], 0, [3, 1])], 4, torch.device("cpu")), kv, backend)
+            outs.append(model(build_forward_batch([SeqSpan([40, 41, 42], 6, [3, 1, 6])], 4, torch.device("cpu")),
+                              kv, backend).float())
+        model._stack = stack
+    scale = outs[1].abs().max()
+    torch.testing.assert_close(outs[0] / scale, outs[1] / scale, rtol=tol, atol=tol)
 
 
 @pytest.mark.skipif(native is None, reason="no AVX-512 bf16 CPU or no compiler")

@@ -69,7 +69,7 @@ inline float dot_f32(const float* x, const float* w, int64_t K) {
 // row's result does not depend on the batch it came in.
 constexpr int PACKED_TILE_M = 8;
 // Software prefetch this many pairs of inputs (128 bytes of a tile's stream each) ahead: 8 KB.
-// The hardware prefetcher alone keeps one input row near memory bandwidth, but with 3-16 rows
+// The hardware prefetcher alone nearly keeps up with one input row, but with 3-16 rows
 // (a verify step's tree, a batch of sequences) the loop spends longer per line and the stream
 // falls behind. Over the default model's layer shapes from memory, side by side
 // (bench/bench_kernels_ab.py, bench/results/kernels_ab_prefetch*.json): 3 / 4 / 8 / 16 rows

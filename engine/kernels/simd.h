@@ -31,7 +31,7 @@ inline __m512 load16(const at::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store16(at::BFloat16* p, __m512 v) {  // round to nearest even, as at::BFloat16(float)
+inline void store16(at::BFloat16* p, __m512 v) {  // round to nearest even (VCVTNEPS2BF16 flushes denormals)
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
 }
 
