@@ -48,6 +48,7 @@ sys.path.insert(0, HERE)
 import bench_decode as bd  # noqa: E402  (puts the project root on sys.path)
 import torch  # noqa: E402
 
+from engine import profile as engine_profile  # noqa: E402
 from engine.default_model import cache_dir  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.spec.config import SpecConfig  # noqa: E402
@@ -71,10 +72,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "named '<row>@<its directory name>', in the same alternating run")
     ap.add_argument("--ngram", default="4x3,8x7", help="ngram configs, total_tokens x depth")
     ap.add_argument("--eagle2", default="24x5x4", help="eagle2 shapes, comma-separated total_tokens x depth [x top_k]")
-    ap.add_argument("--budget", default=None, help="also eagle2 with the load-aware tree budget, up to this shape")
+    ap.add_argument("--budget", default=None,
+                    help="also eagle2 with the load-aware tree budget, up to this shape (comma-separated: one "
+                         "system per shape; the guard / min-gain variants and --compare-draft take the first)")
     ap.add_argument("--budget-guard-z", default="",
                     help="also the budget with these guard_z values (comma-separated; 0 = the guard's plain "
                          "comparison of its running rates, before its significance margin)")
+    ap.add_argument("--budget-profile-context", default="",
+                    help="also the budget with its start-up cost profile taken at these contexts (comma-separated "
+                         "committed tokens per sequence; the default is engine.profile.PROFILE_CONTEXT)")
     ap.add_argument("--budget-min-gain", default="",
                     help="also the budget with these required modelled gains (comma-separated; sets min_gain "
                          "and min_gain_one)")
@@ -162,12 +168,19 @@ def phase_snapshot(timings) -> tuple[float, float, float, int]:
 
 def spec_system(spec: SpecConfig, args, budget: bool = False, full_vocab: bool = False,
                 python_head: bool = False, guard_z: float | None = None,
-                min_gain: float | None = None, draft: str | None = None) -> bd.System:
+                min_gain: float | None = None, draft: str | None = None,
+                profile_context: int | None = None) -> bd.System:
     """Our engine with `spec` (a fixed tree, or the tree budget, guard_z / min_gain: its guard's
     margin / the model's required gain where not the defaults); run() adds the request's spec
     counters and phase seconds."""
-    llm = LLM(None, dtype=args.dtype, spec=spec, draft=(draft or args.draft) if spec.uses_head else None,
-              kv_cache_tokens=KV_CACHE_TOKENS, tree_budget=budget)
+    saved = engine_profile.PROFILE_CONTEXT
+    if profile_context is not None:  # the start-up profile (and any idle-time one) at this context
+        engine_profile.PROFILE_CONTEXT = profile_context
+    try:
+        llm = LLM(None, dtype=args.dtype, spec=spec, draft=(draft or args.draft) if spec.uses_head else None,
+                  kv_cache_tokens=KV_CACHE_TOKENS, tree_budget=budget)
+    finally:
+        engine_profile.PROFILE_CONTEXT = saved
     if guard_z is not None:
         llm.budget.guard_z = guard_z
     if min_gain is not None:  # single stream: the margin a single sequence needs, and batches' alike
@@ -201,10 +214,12 @@ def spec_system(spec: SpecConfig, args, budget: bool = False, full_vocab: bool =
             "tree_budget": budget, "full_vocab": full_vocab, "python_head": python_head,
             "guard_z": llm.budget.guard_z if llm.budget is not None else None,
             "min_gain": llm.budget.min_gain if llm.budget is not None else None,
+            "profile_context": profile_context if profile_context is not None else engine_profile.PROFILE_CONTEXT,
             "cost_profile": llm.cost_profile}
     name = (spec_name(spec) + ("-budget" if budget else "") + ("-fullvocab" if full_vocab else "")
             + ("-pyhead" if python_head else "") + (f"-z{guard_z:g}" if guard_z is not None else "")
             + (f"-mg{min_gain:g}" if min_gain is not None else "")
+            + (f"-ctx{profile_context}" if profile_context is not None else "")
             + (f"@{os.path.basename(os.path.normpath(draft))}" if draft else ""))
     return bd.System(name, "ours", args.dtype, run, info)
 
@@ -234,16 +249,19 @@ def build_systems(args, eos_id: int) -> list[bd.System]:
         systems += [spec_system(spec, args, full_vocab=True) for spec in specs if spec.method == "eagle2"][:1]
     if args.python_head and args.draft:
         systems += [spec_system(spec, args, python_head=True) for spec in specs if spec.method == "eagle2"][:1]
-    if args.budget and args.draft:
-        systems.append(spec_system(spec_from_shape("eagle2", args.budget), args, budget=True))
-        systems += [spec_system(spec_from_shape("eagle2", args.budget), args, budget=True, guard_z=float(z))
+    budgets = [b.strip() for b in (args.budget or "").split(",") if b.strip()]
+    if budgets and args.draft:
+        systems += [spec_system(spec_from_shape("eagle2", b), args, budget=True) for b in budgets]
+        systems += [spec_system(spec_from_shape("eagle2", budgets[0]), args, budget=True, guard_z=float(z))
                     for z in args.budget_guard_z.split(",") if z.strip()]
-        systems += [spec_system(spec_from_shape("eagle2", args.budget), args, budget=True, min_gain=float(g))
+        systems += [spec_system(spec_from_shape("eagle2", budgets[0]), args, budget=True, min_gain=float(g))
                     for g in args.budget_min_gain.split(",") if g.strip()]
+        systems += [spec_system(spec_from_shape("eagle2", budgets[0]), args, budget=True, profile_context=int(c))
+                    for c in args.budget_profile_context.split(",") if c.strip()]
     if args.compare_draft and args.draft:
         systems += [spec_system(spec, args, draft=args.compare_draft) for spec in specs if spec.method == "eagle2"]
-        if args.budget:
-            systems.append(spec_system(spec_from_shape("eagle2", args.budget), args, budget=True,
+        if budgets:
+            systems.append(spec_system(spec_from_shape("eagle2", budgets[0]), args, budget=True,
                                        draft=args.compare_draft))
     if "hf" in args.methods or "llamacpp" in args.methods:
         bd.build_hf_dir(args.hf_dir)  # convert_gguf.sh reads it too

@@ -29,6 +29,8 @@ from engine.sampling_params import SamplingParams
 
 VERIFY_GRID = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # linear beyond
 DRAFT_GRID = (1, 2, 4, 8, 16, 32, 64)
+# committed tokens before the profiled forwards (each sequence's context)
+PROFILE_CONTEXT = 128
 
 # Below this CPU share a profile counts as contended. The default model's profile alone measured
 # 0.998 on the 2-core machine, 0.49-0.50 beside two spinning processes
@@ -97,7 +99,7 @@ def _fastest(runs: list[list[tuple[int, float]]]) -> list[tuple[int, float]]:
 
 
 @torch.inference_mode()
-def profile_costs(runner, max_tokens: int, max_seqs: int, context: int = 128, repeats: int = 2,
+def profile_costs(runner, max_tokens: int, max_seqs: int, context: int | None = None, repeats: int = 2,
                   small_repeats: int = 5, blocks: list[int] | None = None, attempts: int = 3,
                   min_share: float | None = None, wait: float | None = None) -> dict:
     """{"verify": [(tokens, s)], "draft": [(seqs, s)], "draft_first": [(seqs, s)], "depth": D,
@@ -110,6 +112,7 @@ def profile_costs(runner, max_tokens: int, max_seqs: int, context: int = 128, re
     before any request runs or with blocks no sequence holds."""
     min_share = MIN_CPU_SHARE if min_share is None else min_share
     wait = RETRY_WAIT if wait is None else wait
+    context = PROFILE_CONTEXT if context is None else context
     on_cpu = runner.device.type == "cpu"
     runs, shares = [], []
     for attempt in range(max(attempts, 1)):
@@ -163,8 +166,9 @@ class ProfileRun:
     model) instead of the whole profile (4.3 s: bench/results/profile_contention.json), and the
     blocks go back between points. A point that does not fit in its blocks ends its grid there."""
 
-    def __init__(self, runner, max_tokens: int, max_seqs: int, context: int = 128, repeats: int = 2,
+    def __init__(self, runner, max_tokens: int, max_seqs: int, context: int | None = None, repeats: int = 2,
                  small_repeats: int = 5, meter: CpuShare | None = None):
+        context = PROFILE_CONTEXT if context is None else context
         self.runner, self.context, self.repeats, self.small_repeats = runner, context, repeats, small_repeats
         self.meter = meter if meter is not None else CpuShare()
         self.todo = [("verify", t) for t in VERIFY_GRID if t <= max_tokens]
@@ -206,8 +210,8 @@ class ProfileRun:
             ids = torch.randint(vocab, (n,), generator=self.gen).tolist()
             spans.append(SeqSpan(ids, ctx, ids_of[b * blocks_per:(b + 1) * blocks_per]))
 
-        def run():  # as the engine runs it: a CUDA graph replay where one fits
-            runner.model.compute_logits(runner.forward(spans))
+        def run():  # as the engine runs it: a CUDA graph replay where one fits, greedy picks
+            runner.model.compute_logits(runner.forward(spans)).argmax(-1).tolist()
         self.verify.append((T, _time(run, self.small_repeats if T <= 16 else self.repeats, self.meter)))
         return True
 
