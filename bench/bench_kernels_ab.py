@@ -176,7 +176,8 @@ def main() -> None:
     sha, old, tmp = build_rev(args.rev)
     mods = {f"rev-{sha}": old, "worktree": new}
     try:
-        result = {"rev": sha, "git_head": bd.git_head() if hasattr(bd, "git_head") else None,
+        result = {"rev": sha, "git_head": bd.git_head(), "source_digest": bd.source_digest(), "args": vars(args),
+                  "time": time.strftime("%Y-%m-%d %H:%M:%S"),
                   "linear": None if args.skip_linear else
                   on_engine_thread(lambda: linear_part(mods, [int(r) for r in args.rows.split(",")], args.reps))}
         if not args.skip_decode:

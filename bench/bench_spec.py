@@ -74,7 +74,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--eagle2", default="24x5x4", help="eagle2 shapes, comma-separated total_tokens x depth [x top_k]")
     ap.add_argument("--budget", default=None,
                     help="also eagle2 with the load-aware tree budget, up to this shape (comma-separated: one "
-                         "system per shape; the guard / min-gain variants and --compare-draft take the first)")
+                         "system per shape; the guard / min-gain / profile-context variants and --compare-draft take the first)")
     ap.add_argument("--budget-guard-z", default="",
                     help="also the budget with these guard_z values (comma-separated; 0 = the guard's plain "
                          "comparison of its running rates, before its significance margin)")
@@ -174,7 +174,7 @@ def spec_system(spec: SpecConfig, args, budget: bool = False, full_vocab: bool =
     margin / the model's required gain where not the defaults); run() adds the request's spec
     counters and phase seconds."""
     saved = engine_profile.PROFILE_CONTEXT
-    if profile_context is not None:  # the start-up profile (and any idle-time one) at this context
+    if profile_context is not None:  # the start-up profile at this context (a later idle-time one: the default)
         engine_profile.PROFILE_CONTEXT = profile_context
     try:
         llm = LLM(None, dtype=args.dtype, spec=spec, draft=(draft or args.draft) if spec.uses_head else None,
