@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import shutil
 import statistics
@@ -37,8 +36,11 @@ sys.path.insert(0, HERE)
 
 import bench_decode as bd  # noqa: E402  (puts the project root on sys.path)
 import torch  # noqa: E402
+from bench_linear import SHAPES  # noqa: E402  (the default model's qkv / o / gate_up / down)
+from bench_spec import spec_from_shape  # noqa: E402
 
 from engine import kernels  # noqa: E402
+from engine.default_model import default_draft_path  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.spec.config import SpecConfig  # noqa: E402
 from scheduler.worker import on_engine_thread  # noqa: E402
@@ -46,8 +48,7 @@ from server.llm import LLM  # noqa: E402
 
 ROOT = os.path.dirname(HERE)
 SOURCES = ("cpu_gemv.cpp", "cpu_attention.cpp", "cpu_decode.cpp")
-SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2-135M: qkv, o, gate_up, down
-DRAFT = os.path.join(ROOT, "engine", "heads", "smollm2-135m-instruct")
+DRAFT = default_draft_path()
 
 
 def build_rev(rev: str):
@@ -112,10 +113,9 @@ def linear_part(mods: dict, rows: list[int], reps: int) -> dict:
 def spec_of(tree: str) -> SpecConfig:
     if tree == "none":
         return SpecConfig("none")
-    if tree == "budget":  # the serving default: EAGLE-2 under the tree budget, up to 24 tokens
-        return SpecConfig("eagle2", total_tokens=24, depth=5, top_k=4)
-    t, d, k = (int(v) for v in tree.split("x"))
-    return SpecConfig("eagle2", total_tokens=t, depth=d, top_k=k)
+    if tree == "budget":  # the serving default: EAGLE-2's default shape under the tree budget
+        return SpecConfig("eagle2")
+    return spec_from_shape("eagle2", tree)
 
 
 def decode_part(mods: dict, trees: list[str], prompts: list[list[int]], max_new: int, batch: int = 1) -> dict:
@@ -187,10 +187,7 @@ def main() -> None:
                                        "batch": args.batch, "order": "alternating per group of batch prompts"}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print("wrote", args.out)
+    bd.write_result(args.out, result)
 
 
 if __name__ == "__main__":

@@ -164,7 +164,10 @@ class ModelRunner:
         for i in sampled:
             rows.extend(range(roots[i], roots[i] + len(trees[i])))
             sample_rows.extend(node_rows(steps[i], trees[i]))
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        # the first hidden columns only: a fused-feature head's [f ; aux] rows would be gathered
+        # whole and then sliced again (the LM head reads f)
+        features = hidden[:, :self.loaded.config.hidden_size]
+        logits = self.model.compute_logits(features[torch.tensor(rows, device=self.device)])
         chosen, logprobs = sample(logits, sample_rows, self.loaded.eos_token_ids)
         t2 = time.perf_counter()
         if self.drafter.needs_features:  # prefill chunks that sample nothing still feed the head

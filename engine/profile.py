@@ -112,7 +112,6 @@ def profile_costs(runner, max_tokens: int, max_seqs: int, context: int | None = 
     before any request runs or with blocks no sequence holds."""
     min_share = MIN_CPU_SHARE if min_share is None else min_share
     wait = RETRY_WAIT if wait is None else wait
-    context = PROFILE_CONTEXT if context is None else context
     on_cpu = runner.device.type == "cpu"
     runs, shares = [], []
     for attempt in range(max(attempts, 1)):

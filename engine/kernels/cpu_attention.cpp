@@ -10,7 +10,6 @@
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
-#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -158,49 +157,51 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   return out.view({q.size(0), q.size(1) * q.size(2)});
 }
 
+namespace {
+
+// Rows of n: x += delta (where given), out = rms_norm(x) (* weight, where given); float32
+// statistics and math, one rounding to T per output.
+template <typename T>
+void rms_rows(T* x, const T* delta, const T* weight, T* out, int64_t rows, int64_t n, float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    T* xr = x + r * n;
+    float ss = 0.f;
+    for (int64_t i = 0; i < n; ++i) {
+      if (delta) xr[i] = static_cast<T>(static_cast<float>(xr[i]) + static_cast<float>(delta[r * n + i]));
+      ss += static_cast<float>(xr[i]) * static_cast<float>(xr[i]);
+    }
+    const float inv = 1.f / std::sqrt(ss / n + eps);
+    for (int64_t i = 0; i < n; ++i) {
+      float y = static_cast<float>(xr[i]) * inv;
+      if (weight) y *= static_cast<float>(weight[i]);
+      out[r * n + i] = static_cast<T>(y);
+    }
+  }
+}
+
+}  // namespace
+
 // x <- x + residual_in; returns rms_norm(x) * weight (float32 math). Fuses the residual add and
 // the next norm, which cost more in dispatch than in arithmetic at decode sizes.
 torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor weight, double eps) {
   TORCH_CHECK(x.is_contiguous() && delta.is_contiguous() && x.sizes() == delta.sizes(), "x, delta");
-  const int64_t rows = x.size(0), n = x.size(1);
   auto out = torch::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "add_rms_norm", [&] {
-    scalar_t* xp = x.data_ptr<scalar_t>();
-    const scalar_t* dp = delta.data_ptr<scalar_t>();
-    const scalar_t* wp = weight.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    for (int64_t r = 0; r < rows; ++r) {
-      float ss = 0.f;
-      for (int64_t i = 0; i < n; ++i) {
-        const scalar_t v = static_cast<scalar_t>(static_cast<float>(xp[r * n + i]) + static_cast<float>(dp[r * n + i]));
-        xp[r * n + i] = v;
-        ss += static_cast<float>(v) * static_cast<float>(v);
-      }
-      const float inv = 1.f / std::sqrt(ss / n + static_cast<float>(eps));
-      for (int64_t i = 0; i < n; ++i)
-        op[r * n + i] = static_cast<scalar_t>(static_cast<float>(xp[r * n + i]) * inv * static_cast<float>(wp[i]));
-    }
+    rms_rows<scalar_t>(x.data_ptr<scalar_t>(), delta.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),
+                       out.data_ptr<scalar_t>(), x.size(0), x.size(1), static_cast<float>(eps));
   });
   return out;
 }
 
-// Each of the n equal chunks of every row of x [T, n * h] RMS-normalised, no weight (float32
-// statistics, one rounding to x's dtype): a fused-feature draft head's aux features, one call
-// instead of the ~10 tensor ops of the torch expression.
+// Each of the n equal chunks of every row of x [T, n * h] RMS-normalised, no weight: a
+// fused-feature draft head's aux features, one call instead of the ~10 tensor ops of the torch
+// expression (x is only read).
 torch::Tensor rms_norm_chunks(torch::Tensor x, int64_t n, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && n > 0 && x.size(1) % n == 0, "x: contiguous [T, n * h]");
-  const int64_t rows = x.size(0) * n, h = x.size(1) / n;
   auto out = torch::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm_chunks", [&] {
-    const scalar_t* xp = x.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    for (int64_t r = 0; r < rows; ++r) {
-      using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-      acc_t ss = 0;
-      for (int64_t i = 0; i < h; ++i) ss += static_cast<acc_t>(xp[r * h + i]) * static_cast<acc_t>(xp[r * h + i]);
-      const acc_t inv = 1 / std::sqrt(ss / h + static_cast<acc_t>(eps));
-      for (int64_t i = 0; i < h; ++i) op[r * h + i] = static_cast<scalar_t>(static_cast<acc_t>(xp[r * h + i]) * inv);
-    }
+    rms_rows<scalar_t>(x.data_ptr<scalar_t>(), nullptr, nullptr, out.data_ptr<scalar_t>(), x.size(0) * n,
+                       x.size(1) / n, static_cast<float>(eps));
   });
   return out;
 }

@@ -133,8 +133,7 @@ class LlamaForCausalLM(nn.Module):
         packed = sum(m.prepack(native) for m in self.modules() if isinstance(m, Linear))
         self._stack, self._stack_max_rows = native_stack(self.model.layers, self.model.norm, self.config,
                                                          self.lm_head.weight.dtype, native)
-        if self._stack is not None and self.aux_layers:
-            self._stack.set_aux(list(self.aux_layers))
+        self.set_aux_layers(self.aux_layers)  # a stack built after them returns them too
         return packed
 
     def _native_forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
