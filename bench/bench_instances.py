@@ -34,7 +34,8 @@ def build(kind: str):
     away: on-nodraft (on-plain with its drafter replaced by none after the build: no head work
     at all), on-nofeat (its drafter keeps no features: observe and sync do nothing), off-slots
     ("off" reserving on's scratch slots past each sequence's committed length every round),
-    on-noslots (on-plain reserving none). Any kind may end in modifiers: +lifo (the block
+    on-noslots (on-plain reserving none), on-noaux (on-nofeat whose target forward returns no
+    fused-head features either). Any kind may end in modifiers: +lifo (the block
     allocator hands out the block freed last, its order before the lowest-id heap), +shuffle
     (the free blocks in a random order to start with, then the block freed last), +hold (plain
     rounds keep their scratch reservation instead of giving it back; +hold+lifo is "on-plain"
@@ -42,11 +43,15 @@ def build(kind: str):
     from engine.spec.config import SpecConfig
     from engine.spec.drafters import NoDrafter
     kind, *mods = kind.split("+")
-    base = {"on-nodraft": "on-plain", "on-nofeat": "on-plain", "off-slots": "off", "on-noslots": "on-plain"}
+    base = {"on-nodraft": "on-plain", "on-nofeat": "on-plain", "on-noaux": "on-plain", "off-slots": "off", "on-noslots": "on-plain"}
     llm = bs.build_engine(base.get(kind, kind))
     if kind == "on-nodraft":
         llm.runner.drafter = NoDrafter()
     elif kind == "on-nofeat":
+        llm.runner.drafter.observe = lambda *a, **k: None
+        llm.runner.drafter.sync = lambda *a, **k: None
+    elif kind == "on-noaux":
+        llm.runner.model.set_aux_layers(())
         llm.runner.drafter.observe = lambda *a, **k: None
         llm.runner.drafter.sync = lambda *a, **k: None
     elif kind == "off-slots":

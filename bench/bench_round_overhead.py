@@ -3,7 +3,8 @@
 
 Runs bench_serve's in-process load (MT-bench + ShareGPT prompts, greedy, C clients back to back)
 on "off" (no head), "on-plain" (the head loaded and kept in step, nothing drafted) and "on"
-(EAGLE-2 with the tree budget), alternating, --reps repetitions. Every round of the engine loop
+(EAGLE-2 with the tree budget), or bench_instances' variants (e.g. on-nofeat: the head keeps no
+features), alternating, --reps repetitions. Every round of the engine loop
 is timed by phase: plan (admission, block reservations, the tree budget's choice), the engine
 step (drafter work before the forward, the target forward with sampling, acceptance and the
 drafter's bookkeeping after it; the worker-thread hop is what is left), and complete (commit,
@@ -28,6 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import bench_decode as bd  # noqa: E402
+import bench_instances as bi  # noqa: E402
 import bench_serve as bs  # noqa: E402
 
 PHASES = ("plan", "draft", "verify", "accept", "hop", "complete", "round")
@@ -111,7 +113,7 @@ def main(argv=None):
     ap.add_argument("--out", default=os.path.join(HERE, "results", "round_overhead.json"))
     args = ap.parse_args(argv)
     prompts = bs.load_prompts(args.prompts)
-    engines = {name: bs.build_engine(name) for name in args.engines.split(",")}
+    engines = {name: bi.build(name) for name in args.engines.split(",")}
     source = bd.source_digest()
     if args.warmup_concurrency:
         warm = argparse.Namespace(concurrency=str(args.warmup_concurrency), reps=1, min_requests=4,

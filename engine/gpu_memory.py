@@ -13,6 +13,9 @@ estimate errs towards a smaller cache. The arithmetic is in pure functions (`kv_
 """
 from __future__ import annotations
 
+import json
+import os
+
 import torch
 
 GIB = 1 << 30
@@ -49,10 +52,25 @@ def kv_cache_blocks(budget: int, bytes_per_token: int, block_size: int) -> int:
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, element_size: int,
-                       draft_layers: int = 0) -> int:
+                       draft_layers: int = 0, draft_feature_width: int = 0) -> int:
     """K and V of every target layer, plus the EAGLE head's own one-layer cache when it drafts
-    (it has as many blocks as the target's and, as every EAGLE head, the target's KV shape)."""
-    return 2 * (num_layers + draft_layers) * num_kv_heads * head_dim * element_size
+    (it has as many blocks as the target's and, as every EAGLE head, the target's KV shape) and
+    its feature cache (`draft_feature_width` values a slot: engine.spec.eagle_drafter)."""
+    return (2 * (num_layers + draft_layers) * num_kv_heads * head_dim + draft_feature_width) * element_size
+
+
+def draft_feature_width(config, hidden_size: int) -> int:
+    """The feature cache's width for an engine config's EAGLE head (0 without one): the target's
+    hidden size, times 1 + the head's fused layers (its config.json's aux_layers)."""
+    if not (config.spec.uses_head and config.draft):
+        return 0
+    from engine.spec.eagle_drafter import feature_width
+    try:
+        with open(os.path.join(config.draft, "config.json")) as f:
+            aux = json.load(f).get("aux_layers") or []
+    except (OSError, ValueError, AttributeError):
+        aux = []  # the head's loader reports what is wrong with it
+    return feature_width(hidden_size, aux if isinstance(aux, list) else [])
 
 
 def graph_reserve_bytes(batch: int, tokens: int, kv_len: int, num_heads: int, num_kv_heads: int,
@@ -113,7 +131,8 @@ def cuda_kv_cache_tokens(runner) -> int:
     c, m = runner.config, runner.loaded.config
     elt = torch.empty((), dtype=runner.dtype).element_size()
     per_token = kv_bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, elt,
-                                   draft_layers=1 if c.spec.uses_head and c.draft else 0)
+                                   draft_layers=1 if c.spec.uses_head and c.draft else 0,
+                                   draft_feature_width=draft_feature_width(c, m.hidden_size))
     total, in_use = profile_in_use(runner)
     reserve = 0
     if graphs_enabled(runner.device, c.cuda_graphs):  # the largest capturable bucket's intermediates

@@ -96,7 +96,11 @@ class ModelRunner:
                 from engine.gpu_memory import cuda_kv_cache_tokens
                 budget = cuda_kv_cache_tokens(self)
             else:
-                per_token = KVCache.bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, self.dtype)
+                from engine.gpu_memory import draft_feature_width, kv_bytes_per_token
+                per_token = kv_bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim,
+                                               torch.empty((), dtype=self.dtype).element_size(),
+                                               draft_layers=1 if c.spec.uses_head and c.draft else 0,
+                                               draft_feature_width=draft_feature_width(c, m.hidden_size))
                 budget = int(_memory_bytes(self.device) * c.kv_cache_memory_fraction) // per_token
             tokens = min(budget, c.max_num_seqs * m.max_model_len)
         return max(1, tokens // c.block_size)
@@ -170,18 +174,23 @@ class ModelRunner:
         logits = self.model.compute_logits(features[torch.tensor(rows, device=self.device)])
         chosen, logprobs = sample(logits, sample_rows, self.loaded.eos_token_ids)
         t2 = time.perf_counter()
+        # what the head observes this round: (step, tokens, reset) and each token's feature row,
+        # written to the drafter in one call
+        observed, feature_rows = [], []
         if self.drafter.needs_features:  # prefill chunks that sample nothing still feed the head
             for i, s in enumerate(steps):
                 if not s.sample:
-                    first = offsets[i]
                     nxt = s.history[s.num_cached + len(s.token_ids)]
-                    self.drafter.observe(s, s.token_ids[1:] + [nxt], hidden[first:offsets[i + 1]], reset=s.restart)
+                    observed.append((s, s.token_ids[1:] + [nxt], s.restart))
+                    feature_rows.extend(range(offsets[i], offsets[i + 1]))
         results, k = [], 0
         for i in sampled:
             n = len(trees[i])
-            results.append(self._accept(steps[i], trees[i], chosen[k:k + n], logprobs[k:k + n], hidden, roots[i],
-                                        drafted[i]))
+            results.append(self._accept(steps[i], trees[i], chosen[k:k + n], logprobs[k:k + n], roots[i],
+                                        drafted[i], observed, feature_rows))
             k += n
+        if observed:
+            self.drafter.observe_many(observed, hidden[torch.tensor(feature_rows, device=self.device)])
         self.timings.add(draft=t1 - t0, verify=t2 - t1, accept=time.perf_counter() - t2)
         return results
 
@@ -215,21 +224,22 @@ class ModelRunner:
         return SeqSpan(tree.tokens, step.num_cached, step.block_table,
                        positions=[step.num_cached + d for d in tree.depths], tree_mask=tree.ancestor_mask())
 
-    def _accept(self, step: SeqStep, tree: DraftTree, chosen: list[int], logprobs: list, hidden: torch.Tensor,
-                root_row: int, drafted_depth: int = 0) -> SeqResult:
+    def _accept(self, step: SeqStep, tree: DraftTree, chosen: list[int], logprobs: list, root_row: int,
+                drafted_depth: int, observed: list, feature_rows: list[int]) -> SeqResult:
+        """Walk the tree, compact the accepted nodes' KV; what the head is to observe goes on
+        `observed` / `feature_rows` (execute hands them over for the whole round at once)."""
         verdict = walk(tree, chosen)
         path = [0] + verdict.accepted_nodes
         root_pos = step.num_cached + len(step.token_ids) - 1
         if verdict.accepted_nodes:
             self._compact(step.block_table, root_pos, verdict.accepted_nodes)
         if self.drafter.needs_features:
-            first = root_row - len(step.token_ids) + 1
             if len(tree) == 1:  # prefill (or a plain step): every fed position pairs with its successor
-                feats, tokens = hidden[first:root_row + 1], step.token_ids[1:] + verdict.tokens
+                feature_rows.extend(range(root_row - len(step.token_ids) + 1, root_row + 1))
+                observed.append((step, step.token_ids[1:] + verdict.tokens, step.restart))
             else:
-                feats = hidden[torch.tensor([root_row + n for n in path], device=self.device)]
-                tokens = verdict.tokens
-            self.drafter.observe(step, tokens, feats, reset=step.restart)
+                feature_rows.extend(root_row + n for n in path)
+                observed.append((step, verdict.tokens, step.restart))
         lps = [logprobs[n] for n in path] if step.params.logprobs is not None else None
         conf, conf_depths = self.drafter.confidence(step.seq_id) if len(tree) > 1 else ((), ())
         return SeqResult(step.seq_id, verdict.tokens, lps, num_draft_tokens=len(tree) - 1,

@@ -300,6 +300,9 @@ def test_kv_blocks_and_bytes_per_token():
     llama8b = kv_bytes_per_token(32, 8, 128, 2)
     assert llama8b == 128 * 1024  # 128 KiB per token in bf16
     assert kv_bytes_per_token(32, 8, 128, 2, draft_layers=1) == llama8b * 33 // 32
+    # the head's feature cache: its width in values a token ([f ; 3 aux] = 4 x 4096 here)
+    assert kv_bytes_per_token(32, 8, 128, 2, draft_layers=1, draft_feature_width=4 * 4096) == \
+        llama8b * 33 // 32 + 4 * 4096 * 2
     assert kv_cache_blocks(1000, 10, 16) == 6
     assert kv_cache_blocks(160, 10, 16) == 1
     with pytest.raises(ValueError, match="does not hold one block"):
@@ -331,3 +334,32 @@ def test_cuda_kv_tokens_from_profile(monkeypatch):
     assert cuda_kv_cache_tokens(runner(cuda_graphs=False, gpu_memory_utilization=0.5)) < tokens
     with pytest.raises(ValueError, match="no GPU memory left"):
         cuda_kv_cache_tokens(runner(cuda_graphs=False, gpu_memory_utilization=0.25))  # 20 GiB allowed, 20 in use
+
+
+def test_kv_budget_counts_the_heads_feature_cache(tmp_path, monkeypatch):
+    """Sized by memory, the KV cache leaves room for the EAGLE head's KV and feature cache: a
+    fused head's wider features cost blocks, on the GPU and the CPU alike."""
+    import json
+
+    import engine.gpu_memory as gm
+    from engine.spec.config import SpecConfig
+    monkeypatch.setattr(gm, "profile_in_use", lambda runner: (80 * GIB, 20 * GIB))
+    cfg = _model_config()
+    heads = {}
+    for name, aux in (("plain", None), ("fused", [2, 15, 27])):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"hidden_size": 4096} | ({"aux_layers": aux} if aux else {})))
+        heads[name] = str(d)
+
+    def tokens(draft):
+        spec = SpecConfig("eagle2" if draft else "none")
+        return cuda_kv_cache_tokens(SimpleNamespace(
+            config=EngineConfig(cuda_graphs=False, block_size=16, spec=spec, draft=draft),
+            loaded=SimpleNamespace(config=cfg), device=torch.device("cuda"), dtype=torch.bfloat16))
+    budget = int(80 * GIB * 0.9) - 20 * GIB
+    assert tokens(None) == budget // (128 * 1024 * 16) * 16
+    for name, width in (("plain", 4096), ("fused", 4 * 4096)):
+        assert tokens(heads[name]) == budget // ((128 * 1024 * 33 // 32 + width * 2) * 16) * 16
+    assert gm.draft_feature_width(EngineConfig(spec=SpecConfig("eagle2"), draft=heads["fused"]), 576) == 4 * 576
+    assert gm.draft_feature_width(EngineConfig(spec=SpecConfig("none"), draft=heads["fused"]), 576) == 0

@@ -105,6 +105,45 @@ def test_draft_frontier_sees_only_its_ancestors(tiny_llama, head_dir):
             assert abs(score - g.cands.scores[c]) < 1e-9
 
 
+def test_pending_pairs_reach_the_head_whatever_the_rounds_and_batches(tiny_llama, head_dir):
+    """The feature cache: pairs observed for two sequences at once and one by one, over blocks
+    out of order, some consumed by a catch-up forward (more than CATCHUP_SPLIT pending), give
+    the same first-level draft as the head run along each sequence alone."""
+    from engine.spec.eagle_drafter import CATCHUP_SPLIT
+    from engine.step_io import SeqStep
+    llm = LLM(tiny_llama[0], draft=head_dir, spec=SpecConfig("eagle2", total_tokens=4, depth=1, top_k=3), **KW)
+    drafter, target = llm.runner.drafter, llm.runner.model
+    rng = random.Random(7)
+    seqs = [[rng.randrange(3, 300) for _ in range(CATCHUP_SPLIT + 9)], [rng.randrange(3, 300) for _ in range(7)]]
+    tables = [[40, 3, 17, 5, 21, 8, 30], [41, 14, 6, 25]]  # laid out as if contiguous, they would overlap
+    with torch.inference_mode():  # every position's target feature, in a scratch part of the cache
+        feats = [target(build_forward_batch([SeqSpan(s[:-1], 0, list(range(200, 210)))], 4, llm.runner.device),
+                        llm.runner.kv, llm.runner.backend) for s in seqs]
+
+    def step(b, num_cached, restart=False):
+        return SeqStep(seq_id=b, token_ids=[seqs[b][num_cached]], num_cached=num_cached, block_table=tables[b],
+                       params=SamplingParams(max_tokens=8), seed=0, output_token_ids=[], max_new_tokens=8,
+                       prompt_token_ids=seqs[b], restart=restart)
+
+    # pairs j = (token j + 1, feature j): both prompts' first pairs in one call, then one by one
+    first = [CATCHUP_SPLIT + 2, 3]
+    drafter.observe_many([(step(b, 0, True), seqs[b][1:first[b] + 1], True) for b in (0, 1)],
+                         torch.cat([feats[b][:first[b]] for b in (0, 1)]))
+    for j in range(max(len(s) - 1 for s in seqs)):
+        for b in (0, 1):
+            if first[b] <= j < len(seqs[b]) - 1:
+                drafter.observe(step(b, j), [seqs[b][j + 1]], feats[b][j:j + 1], reset=False)
+    grown = []
+    original = drafter._tree
+    drafter._tree = lambda root, g, total: (grown.append(g), original(root, g, total))[1]
+    drafter.propose([step(b, len(seqs[b]) - 1) for b in (0, 1)], [1, 1])
+    for b, g in enumerate(grown):
+        assert len(g.cands) == 3
+        for c in range(3):
+            ref = sequential_score(drafter.head, target, drafter, seqs[b], feats[b], [g.cands.tokens[c]])
+            assert abs(ref - g.cands.scores[c]) < 1e-9
+
+
 def llm_first_tokens(llm, prompt, n):
     return llm.generate(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0].token_ids
 

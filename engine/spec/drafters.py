@@ -25,6 +25,13 @@ class Drafter(abc.ABC):
     def observe(self, step: SeqStep, tokens: list[int], features: torch.Tensor | None, reset: bool) -> None:
         """`tokens[i]` follows the position whose target feature is `features[i]`."""
 
+    def observe_many(self, items: list[tuple[SeqStep, list[int], bool]], features: torch.Tensor | None) -> None:
+        """observe() for several sequences' (step, tokens, reset), `features` their rows in order."""
+        row = 0
+        for step, tokens, reset in items:
+            self.observe(step, tokens, None if features is None else features[row:row + len(tokens)], reset)
+            row += len(tokens)
+
     def release(self, seq_id: int) -> None:
         pass
 

@@ -5,6 +5,14 @@ Draft KV: pair j = (token x_{j+1}, target feature f_j) lives at storage position
 sequence's blocks (the target's block table, a separate one-layer cache). Pairs built from
 predicted features (the tree phase) go to scratch positions past the committed pairs and are
 overwritten next round: the rollback costs nothing.
+
+Pending pairs (observed, not yet consumed by a head forward) keep their target features in a
+feature cache paged like the KV cache: row `slot(j)` of one [slots, width] tensor holds the
+feature of position j. A round's observed rows go in with one index_copy, whatever the batch.
+Kept as per-round copies instead, a list per sequence, thousands of small live tensors piled up
+under load while the budget decoded plainly, and the garbage collector and allocator slowed every
+round: plain rounds of 16 sequences ran 4.6% slower than an engine without a head and as fast
+when the features were not kept (bench/bench_round_overhead.py; docs/architecture.md).
 """
 from __future__ import annotations
 
@@ -27,15 +35,14 @@ from engine.step_io import SeqStep
 MAX_CONFIDENCE = 64  # node confidences reported per round (the budget's largest tree)
 SYNC_BACKLOG = 128  # pending pairs at which a sequence that is not drafting catches up
 IDLE_ROUNDS = 64  # rounds without any draft after which catch-ups wait for the next draft
-MAX_BACKLOG = 1024  # pending pairs at which a sequence catches up regardless (bounds their memory)
+MAX_BACKLOG = 1024  # pending pairs at which a sequence catches up regardless (bounds a catch-up's forward)
 CATCHUP_SPLIT = 16  # a drafting sequence with more pending pairs consumes them in a forward of their own
 
 
 @dataclass
 class HeadState:
     draft_len: int = 0  # committed pairs in the draft cache
-    tokens: list[int] = field(default_factory=list)  # pending pairs, not yet consumed
-    features: list[torch.Tensor] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # pending pairs (positions draft_len, ...), not yet consumed
 
 
 @dataclass
@@ -60,6 +67,9 @@ class EagleDrafter(Drafter):
         self.head, self.target, self.spec = head, target, spec
         self.block_size, self.device = block_size, device
         self.kv = KVCache(1, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+        # the pending pairs' target features, by KV slot ([f ; aux] for a fused-feature head)
+        self.features = torch.empty(num_blocks * block_size, feature_width(cfg.hidden_size, head.aux_layers),
+                                    dtype=dtype, device=device)
         self.backend = make_backend(cfg.head_dim ** -0.5, device, dtype, attention)
         self.rotary = target.model.rotary if cfg.rope_theta == target.config.rope_theta else _rotary(cfg)
         self.states: dict[int, HeadState] = {}
@@ -72,15 +82,33 @@ class EagleDrafter(Drafter):
         self.catchup_seconds = 0.0  # head forwards that consumed backlogs (see sync), cumulative
 
     def observe(self, step, tokens, features, reset):
-        state = self.states.get(step.seq_id)
-        if reset or state is None:
-            # pairs before num_cached came with a prefix-cache hit: their draft KV sits in the
-            # shared blocks, written by the sequence that computed them
-            self.states[step.seq_id] = state = HeadState(draft_len=step.num_cached)
-        state.tokens.extend(tokens)
-        # a copy: a view would keep the step's whole hidden-state tensor (every sequence's rows,
-        # prefill chunks included) alive for as long as the pairs wait
-        state.features.append(features.clone())
+        self.observe_many([(step, tokens, reset)], features)
+
+    def observe_many(self, items: list[tuple[SeqStep, list[int], bool]], features: torch.Tensor) -> None:
+        """observe() for several sequences' (step, tokens, reset) at once, `features` their rows
+        in order: one write into the feature cache."""
+        slots = []
+        for step, tokens, reset in items:
+            state = self.states.get(step.seq_id)
+            if reset or state is None:
+                # pairs before num_cached came with a prefix-cache hit: their draft KV sits in the
+                # shared blocks, written by the sequence that computed them
+                self.states[step.seq_id] = state = HeadState(draft_len=step.num_cached)
+            slots.extend(self._slots(step.block_table, state.draft_len + len(state.tokens), len(tokens)))
+            state.tokens.extend(tokens)
+        if len(slots) != features.shape[0]:
+            raise ValueError(f"{len(slots)} observed tokens with {features.shape[0]} feature rows")
+        if slots:
+            self.features.index_copy_(0, torch.tensor(slots, device=self.device), features)
+
+    def _slots(self, block_table: list[int], start: int, n: int) -> list[int]:
+        bs = self.block_size
+        return [block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
+
+    def _pending(self, steps: list[SeqStep], counts: list[int]) -> torch.Tensor:
+        """The features of the first counts[i] pending pairs of each step's sequence, stacked."""
+        slots = [x for s, k in zip(steps, counts) for x in self._slots(s.block_table, self.states[s.seq_id].draft_len, k)]
+        return self.features[torch.tensor(slots, device=self.device)]
 
     def release(self, seq_id):
         self.states.pop(seq_id, None)
@@ -122,8 +150,9 @@ class EagleDrafter(Drafter):
         drafted for IDLE_ROUNDS rounds (the budget decodes plainly under load) the catch-ups
         wait for the next draft, except past MAX_BACKLOG pairs: sequences that finish in the
         meantime never pay for their prompts' pairs (2% of the rounds at 16 sequences, by
-        cProfile). Pending pairs hold copied feature rows (hidden size x dtype bytes each:
-        1.1 KB for the default model, 4.6 KB with its fused features)."""
+        cProfile). Pending pairs' features sit in the feature cache (hidden size x dtype bytes a
+        token: 1.1 KB for the default model, 4.6 KB with its fused features), as many slots as
+        the KV cache's and counted in its memory budget."""
         self.idle_rounds += 1
         limit = MAX_BACKLOG if self.idle_rounds > IDLE_ROUNDS else SYNC_BACKLOG
         todo = [s for s in steps if self.states.get(s.seq_id) is not None
@@ -138,12 +167,11 @@ class EagleDrafter(Drafter):
         t0 = time.perf_counter()
         states = [self.states[s.seq_id] for s in steps]
         counts = [len(st.tokens) - keep for st in states]  # pairs consumed now, per sequence
-        feats = [torch.cat(st.features) for st in states]
         spans = [SeqSpan(st.tokens[:k], st.draft_len, s.block_table) for s, st, k in zip(steps, states, counts)]
-        self._head_forward(spans, torch.cat([f[:k] for f, k in zip(feats, counts)]))
-        for st, f, k in zip(states, feats, counts):
+        self._head_forward(spans, self._pending(steps, counts))
+        for st, k in zip(states, counts):
             st.draft_len += k
-            st.tokens, st.features = st.tokens[k:], [f[k:]] if keep else []
+            st.tokens = st.tokens[k:]
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.catchup_seconds += time.perf_counter() - t0
@@ -160,13 +188,12 @@ class EagleDrafter(Drafter):
         """Consume every pending pair; the last one's prediction gives the root's children."""
         states = [self.states[s.seq_id] for s in steps]
         spans = [SeqSpan(st.tokens, st.draft_len, s.block_table) for s, st in zip(steps, states)]
-        feats = torch.cat([f for st in states for f in st.features])
-        hidden = self._head_forward(spans, feats)
+        hidden = self._head_forward(spans, self._pending(steps, [len(st.tokens) for st in states]))
         ends = torch.tensor([len(st.tokens) for st in states]).cumsum(0) - 1
         last = hidden[ends.to(self.device)]  # [B, h] predicted feature of the root's position
         for st in states:
             st.draft_len += len(st.tokens)
-            st.tokens, st.features = [], []
+            st.tokens = []
         values, indices = (t.tolist() for t in self.head.draft_topk(last, self.target, self.width))
         ranks = self._children[()] if self.static else list(range(self.width))
         growths = []
@@ -244,6 +271,12 @@ class EagleDrafter(Drafter):
                              [cands.scores[c] for c in ok])
             keep = [ok[i] for i in select_best(sub, (total or self.spec.total_tokens) - 1)]
         return build_tree(root, cands, keep)
+
+
+def feature_width(hidden_size: int, aux_layers) -> int:
+    """Per token, what the target hands a head: its final feature, and one residual stream per
+    fused layer."""
+    return hidden_size * (1 + len(aux_layers))
 
 
 def _static_children(paths) -> dict[tuple[int, ...], list[int]]:
