@@ -28,6 +28,7 @@ from engine.step_io import SeqStep
 from engine.sampling_params import SamplingParams
 
 VERIFY_GRID = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # linear beyond
+SMALL_TOKENS = 16  # verify points up to here are timed in interleaved sweeps (ProfileRun)
 DRAFT_GRID = (1, 2, 4, 8, 16, 32, 64)
 # committed tokens before the profiled forwards (each sequence's context)
 PROFILE_CONTEXT = 128
@@ -74,19 +75,20 @@ class CpuShare:
 
 def _time(fn, repeats: int, meter: CpuShare | None = None) -> float:
     fn()  # warm-up
-    out = []
-    c0, w0 = time.thread_time(), time.perf_counter()
-    for _ in range(repeats):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        out.append(time.perf_counter() - t)
+    return statistics.median([_time_once(fn, meter) for _ in range(repeats)])
+
+
+def _time_once(fn, meter: CpuShare | None = None) -> float:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    c0, t = time.thread_time(), time.perf_counter()
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t
     if meter is not None:
-        meter.add(time.perf_counter() - w0, time.thread_time() - c0)
-    return statistics.median(out)
+        meter.add(wall, time.thread_time() - c0)
+    return wall
 
 
 def _fastest(runs: list[list[tuple[int, float]]]) -> list[tuple[int, float]]:
@@ -100,12 +102,13 @@ def _fastest(runs: list[list[tuple[int, float]]]) -> list[tuple[int, float]]:
 
 @torch.inference_mode()
 def profile_costs(runner, max_tokens: int, max_seqs: int, context: int | None = None, repeats: int = 2,
-                  small_repeats: int = 5, blocks: list[int] | None = None, attempts: int = 3,
+                  small_repeats: int = 15, blocks: list[int] | None = None, attempts: int = 3,
                   min_share: float | None = None, wait: float | None = None) -> dict:
     """{"verify": [(tokens, s)], "draft": [(seqs, s)], "draft_first": [(seqs, s)], "depth": D,
     "cpu_share": [per attempt], "contended": bool}: draft rounds at the configured depth D and
-    at depth 1. Forwards of up to 16 tokens (one sequence's trees; a few ms each) are timed
-    `small_repeats` times, larger ones `repeats`; the verify curve is then made non-decreasing.
+    at depth 1. Forwards of up to SMALL_TOKENS tokens (one sequence's trees; a few ms each) are
+    timed `small_repeats` times each in interleaved sweeps, larger ones `repeats` times in a
+    row; the verify curve is then made non-decreasing.
     On the CPU, an attempt whose CPU share is below `min_share` (None: MIN_CPU_SHARE) is
     followed by another after `wait` seconds (None: RETRY_WAIT), up to `attempts`; each point keeps its fastest
     time. Uses the runner's KV cache: `blocks` (None: all of it) are overwritten, so call it
@@ -166,11 +169,20 @@ class ProfileRun:
     blocks go back between points. A point that does not fit in its blocks ends its grid there."""
 
     def __init__(self, runner, max_tokens: int, max_seqs: int, context: int | None = None, repeats: int = 2,
-                 small_repeats: int = 5, meter: CpuShare | None = None):
+                 small_repeats: int = 15, meter: CpuShare | None = None):
         context = PROFILE_CONTEXT if context is None else context
         self.runner, self.context, self.repeats, self.small_repeats = runner, context, repeats, small_repeats
         self.meter = meter if meter is not None else CpuShare()
-        self.todo = [("verify", t) for t in VERIFY_GRID if t <= max_tokens]
+        # one sequence's trees (up to SMALL_TOKENS) differ by ~0.25 ms a token on the default
+        # model, under the noise of a few consecutive timings: timed one after another, 5 each,
+        # the points for 1-6 tokens came out level (7.82-7.96 ms) and made a tree's extra rows
+        # look free. So they are timed in sweeps, every size once per sweep (a step), the
+        # sweeps' medians kept: interleaved, 300 times each, 1 / 3 / 5 / 8 tokens took 5.46 /
+        # 6.17 / 6.72 / 7.44 ms (a scratch run, session 25)
+        self.small = [t for t in VERIFY_GRID if t <= min(SMALL_TOKENS, max_tokens)]
+        self.small_times: dict[int, list[float]] = {t: [] for t in self.small}
+        self.todo = [("sweep", r) for r in range(small_repeats + 1)]  # sweep 0 warms up
+        self.todo += [("verify", t) for t in VERIFY_GRID if SMALL_TOKENS < t <= max_tokens]
         if not isinstance(runner.drafter, NoDrafter):
             self.todo += [("draft", n) for n in DRAFT_GRID if n <= max_seqs]
         self.verify: list[tuple[int, float]] = []
@@ -188,19 +200,50 @@ class ProfileRun:
         once every point is measured or cut."""
         if self.todo:
             kind, x = self.todo.pop(0)
+            if kind == "sweep":
+                self._sweep(x, blocks)
+                return self.done
             fits = self._verify(x, blocks) if kind == "verify" else self._draft(x, blocks)
             if not fits:  # larger points of this kind fit even less
-                self.todo = [(k, y) for k, y in self.todo if k != kind]
+                self.todo = [(k, y) for k, y in self.todo if k != kind and not (kind == "verify" and k == "sweep")]
         return self.done
 
+    def _sweep(self, r: int, blocks: list[int]) -> None:
+        """One forward of every small size (starting at a different one each sweep); after the
+        last sweep, their medians become the curve's first points."""
+        sizes = self.small[r % len(self.small):] + self.small[:r % len(self.small)] if self.small else []
+        for T in sizes:
+            run = self._verify_run(T, blocks)
+            if run is None:  # larger sizes fit even less: the grid ends before T
+                self.small = [t for t in self.small if t < T]
+                self.todo = [(k, y) for k, y in self.todo if k != "verify"]
+                continue
+            if T in self.small:
+                if r == 0:
+                    run()  # warm-up
+                else:
+                    self.small_times[T].append(_time_once(run, self.meter))
+        if not any(k == "sweep" for k, _ in self.todo):
+            self.verify = [(T, statistics.median(self.small_times[T])) for T in self.small
+                           if self.small_times[T]] + self.verify
+
     def _verify(self, T: int, ids_of: list[int]) -> bool:
+        run = self._verify_run(T, ids_of)
+        if run is None:
+            return False
+        self.verify.append((T, _time(run, self.repeats, self.meter)))
+        return True
+
+    def _verify_run(self, T: int, ids_of: list[int]):
+        """A forward of T tokens as the engine runs it (a CUDA graph replay where one fits,
+        greedy picks over every row), over `ids_of`; None where it does not fit."""
         runner, bs = self.runner, self.runner.config.block_size
         vocab = runner.loaded.config.vocab_size
         per_seq = 8 if T >= 8 else T
         B = -(-T // per_seq)
         ctx = min(self.context, (len(ids_of) // B) * bs - per_seq)
         if ctx < 1:
-            return False
+            return None
         blocks_per = -(-(ctx + per_seq) // bs)
         spans, left = [], T
         for b in range(B):
@@ -209,10 +252,9 @@ class ProfileRun:
             ids = torch.randint(vocab, (n,), generator=self.gen).tolist()
             spans.append(SeqSpan(ids, ctx, ids_of[b * blocks_per:(b + 1) * blocks_per]))
 
-        def run():  # as the engine runs it: a CUDA graph replay where one fits, greedy picks
+        def run():
             runner.model.compute_logits(runner.forward(spans)).argmax(-1).tolist()
-        self.verify.append((T, _time(run, self.small_repeats if T <= 16 else self.repeats, self.meter)))
-        return True
+        return run
 
     def _draft(self, n: int, ids_of: list[int]) -> bool:
         runner, bs, context, repeats = self.runner, self.runner.config.block_size, self.context, self.repeats

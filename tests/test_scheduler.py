@@ -528,6 +528,36 @@ def test_plain_rounds_carry_their_per_round_cost_to_larger_forwards():
     assert costs.verify(4) == pytest.approx(0.0135, rel=0.01) and costs.verify(1) == pytest.approx(0.012, rel=0.01)
 
 
+def test_profile_times_small_verify_sizes_interleaved(tiny_llama, monkeypatch):
+    """The verify points of one sequence's trees are timed in sweeps, every size once per
+    sweep: a slow spell hits every size alike instead of the sizes timed during it. Here the
+    machine slows down for the last 7 of the 15 sweeps (each forward 20 ms more): timed one size
+    after another, the later sizes would read 20 ms slower than the earlier ones; in sweeps,
+    every size keeps its own cost."""
+    import torch
+
+    import engine.profile as prof_mod
+    llm = LLM(tiny_llama[0], **KW, kv_cache_tokens=2048, tree_budget=False)
+    runner, clock = llm.runner, {"t": 0.0, "calls": 0}
+    per_token = 1e-3
+
+    def forward(spans):
+        clock["calls"] += 1
+        clock["t"] += 5e-3 + per_token * sum(len(s.token_ids) for s in spans)
+        clock["t"] += 20e-3 if clock["calls"] > 9 * 9 else 0.0  # the slow spell: sweeps 9-15
+        return torch.zeros(sum(len(s.token_ids) for s in spans), runner.loaded.config.hidden_size,
+                           dtype=runner.dtype)
+    monkeypatch.setattr(runner, "forward", forward)
+    monkeypatch.setattr(prof_mod.time, "perf_counter", lambda: clock["t"])
+    run = prof_mod.ProfileRun(runner, 16, 1, small_repeats=15)
+    while not run.step(list(range(runner.num_blocks))):
+        pass
+    small = dict(run.verify)
+    assert sorted(small) == [t for t in prof_mod.VERIFY_GRID if t <= 16] == run.small
+    for t in run.small:  # the median of 8 fast and 7 slow sweeps
+        assert abs(small[t] - (5e-3 + per_token * t)) < 1e-9
+
+
 def test_profile_curve_is_made_non_decreasing():
     from engine.profile import non_decreasing
     noisy = [(1, 10.4), (2, 10.2), (3, 12.6), (4, 12.4), (5, 11.5), (6, 16.6), (8, 16.3), (12, 21.6)]
@@ -1036,9 +1066,9 @@ def test_idle_profile_runs_a_point_at_a_time_and_requests_run_between_points(tin
     monkeypatch.setattr(LLM, "MAX_PROFILES", 10)
     llm._reprofile_at = 0.0  # due now
     costs, n_profiles = llm.budget.costs, len(llm.profiles)
-    llm.loop.run_idle()  # one point
+    llm.loop.run_idle()  # one step: the first sweep over the small verify sizes (a warm-up)
     run = llm._idle_run
-    assert run is not None and len(run.verify) == 1 and not run.draft
+    assert run is not None and not run.verify and not run.draft and not run.done
     assert llm.loop.idle_due() and llm.loop.idle_due_in() == 0.0
     assert llm.allocator.num_free_blocks == llm.allocator.num_blocks
     seq = llm.loop.add_request(prompt, params)  # a request arrives: it runs before the next point
@@ -1049,7 +1079,10 @@ def test_idle_profile_runs_a_point_at_a_time_and_requests_run_between_points(tin
     while llm._idle_run is not None:
         llm.loop.run_idle()
         points += 1
-    assert points == len(run.verify) + len(run.draft) and len(run.draft) == len(run.first) >= 1
+    # a step per sweep (the warm-up's and small_repeats more), per larger verify point, per draft point
+    sweeps, larger = run.small_repeats + 1, len(run.verify) - len(run.small)
+    assert run.small and [t for t, _ in run.verify[:len(run.small)]] == run.small
+    assert points == sweeps + larger + len(run.draft) and len(run.draft) == len(run.first) >= 1
     assert llm.budget.costs is not costs and llm.profiles[-1]["used"] and not llm.profiles[-1]["contended"]
     assert llm.loop.idle_due_in() is None
     assert llm.generate(prompt, params)[0].token_ids == expected

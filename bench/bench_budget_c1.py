@@ -1,0 +1,90 @@
+#!/usr/bin/env python
+"""The tree budget at one sequence against fixed trees and plain decoding, prompt by prompt.
+
+Serving's default (EAGLE-2 with the load-aware tree budget) decodes MT-bench first turns one
+at a time through `LLM.generate` (greedy, --max-new tokens), alternating per prompt with
+engines that verify a fixed tree (--fixed, TOTALxDEPTHxTOPK, no budget) and one without a
+head. Prints tok/s per engine over all prompts (ratios to "none" in the same run), the
+budget's choices (tokens to verify, depth drafted) by count, and its cost model, prior and
+calibration at the end.
+
+    .venv/bin/python bench/bench_budget_c1.py [--prompts 12] [--fixed 3x1x2]
+Writes --out (bench/results/budget_c1.json).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import bench_decode as bd  # noqa: E402
+
+from engine.default_model import default_draft_path  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.spec.config import SpecConfig  # noqa: E402
+from server.llm import LLM  # noqa: E402
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--draft", default=None, help="EAGLE head (default: the shipped head)")
+    ap.add_argument("--prompts", type=int, default=12)
+    ap.add_argument("--fixed", default="3x1x2", help="comma list of fixed trees TOTALxDEPTHxTOPK")
+    ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "budget_c1.json"))
+    args = ap.parse_args(argv)
+    source = bd.source_digest()
+    draft = args.draft or default_draft_path()
+    common = dict(dtype="bfloat16", kv_cache_tokens=16384)
+    engines = {"budget": LLM(None, spec=SpecConfig("eagle2"), draft=draft, **common)}
+    for shape in filter(None, args.fixed.split(",")):
+        t, d, k = (int(x) for x in shape.split("x"))
+        engines[shape] = LLM(None, spec=SpecConfig("eagle2", total_tokens=t, depth=d, top_k=k), draft=draft,
+                             tree_budget=False, **common)
+    engines["none"] = LLM(None, spec=SpecConfig("none"), tree_budget=False, **common)
+    budget = engines["budget"].budget
+    choices = collections.Counter()
+    choose = budget.choose
+
+    def counted(*a, **kw):
+        sizes = choose(*a, **kw)
+        if len(sizes) == 1:
+            choices[f"{sizes[0]}@{budget.last_depths[0] or 0}"] += 1
+        return sizes
+    budget.choose = counted
+    prompts = bd.mtbench_ids(args.prompts + 1)
+    params = SamplingParams(max_tokens=args.max_new, temperature=0)
+    for llm in engines.values():  # warm-up: the first prompt
+        llm.generate(prompts[0], params)
+    choices.clear()
+    seconds, tokens = collections.Counter(), collections.Counter()
+    for i, ids in enumerate(prompts[1:]):
+        order = list(engines)
+        order = order[i % len(order):] + order[:i % len(order)]  # each engine first in turn
+        for name in order:
+            t0 = time.perf_counter()
+            tokens[name] += len(engines[name].generate(ids, params)[0].token_ids)
+            seconds[name] += time.perf_counter() - t0
+    rates = {name: tokens[name] / seconds[name] for name in engines}
+    for name, r in rates.items():
+        print(f"{name:>8}: {r:7.1f} tok/s  x none {r / rates['none']:.3f}")
+    print("budget choices (tokens@depth):", dict(choices.most_common()))
+    result = {"config": vars(args), "draft": draft, "tok_s": rates,
+              "x_none": {n: r / rates["none"] for n, r in rates.items()},
+              "tokens": dict(tokens), "budget_choices": dict(choices.most_common()),
+              "budget_cost_model_end": budget.costs.to_json(), "budget_cost_profile": engines["budget"].cost_profile,
+              "budget_prior": [list(p[:8]) for p in budget.prior], "budget_calibration": budget.calibration,
+              "budget_rounds": {"chosen": budget.rounds, "speculating": budget.spec_rounds,
+                                "explored_plain": budget.explored, "explored_depth": budget.explored_depth},
+              "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git_head": bd.git_head(), "source_digest": source,
+              "source_changed": source != bd.source_digest()}
+    bd.write_result(args.out, result)
+
+
+if __name__ == "__main__":
+    main()
