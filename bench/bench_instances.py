@@ -48,11 +48,12 @@ def build(kind: str):
     if kind == "on-nodraft":
         llm.runner.drafter = NoDrafter()
     elif kind == "on-nofeat":
-        llm.runner.drafter.observe = lambda *a, **k: None
+        # the runner hands a round's features over through observe_many (since session 25)
+        llm.runner.drafter.observe = llm.runner.drafter.observe_many = lambda *a, **k: None
         llm.runner.drafter.sync = lambda *a, **k: None
     elif kind == "on-noaux":
         llm.runner.model.set_aux_layers(())
-        llm.runner.drafter.observe = lambda *a, **k: None
+        llm.runner.drafter.observe = llm.runner.drafter.observe_many = lambda *a, **k: None
         llm.runner.drafter.sync = lambda *a, **k: None
     elif kind == "off-slots":
         llm.loop.scheduler.spec_slots = SpecConfig("eagle2").scratch_slots

@@ -26,7 +26,3 @@ class KVCache:
         k_cache.index_copy_(0, slots, k)
         v_cache.index_copy_(0, slots, v)
         return k_cache, v_cache
-
-    @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()

@@ -175,8 +175,8 @@ class ProfileRun:
         self.meter = meter if meter is not None else CpuShare()
         # one sequence's trees (up to SMALL_TOKENS) differ by ~0.25 ms a token on the default
         # model, under the noise of a few consecutive timings: timed one after another, 5 each,
-        # the points for 1-6 tokens came out level (7.82-7.96 ms) and made a tree's extra rows
-        # look free. So they are timed in sweeps, every size once per sweep (a step), the
+        # the points for 1-6 tokens came out at 7.82-7.96 ms (cost_profile_on in
+        # bench/results/serve_s25.json) and made a tree's extra rows look nearly free. So they are timed in sweeps, every size once per sweep (a step), the
         # sweeps' medians kept: interleaved, 300 times each, 1 / 3 / 5 / 8 tokens took 5.46 /
         # 6.17 / 6.72 / 7.44 ms (a scratch run, session 25)
         self.small = [t for t in VERIFY_GRID if t <= min(SMALL_TOKENS, max_tokens)]
@@ -205,7 +205,7 @@ class ProfileRun:
                 return self.done
             fits = self._verify(x, blocks) if kind == "verify" else self._draft(x, blocks)
             if not fits:  # larger points of this kind fit even less
-                self.todo = [(k, y) for k, y in self.todo if k != kind and not (kind == "verify" and k == "sweep")]
+                self.todo = [(k, y) for k, y in self.todo if k != kind]
         return self.done
 
     def _sweep(self, r: int, blocks: list[int]) -> None:
@@ -217,6 +217,8 @@ class ProfileRun:
             if run is None:  # larger sizes fit even less: the grid ends before T
                 self.small = [t for t in self.small if t < T]
                 self.todo = [(k, y) for k, y in self.todo if k != "verify"]
+                if not self.small:  # nothing left to sweep
+                    self.todo = [(k, y) for k, y in self.todo if k != "sweep"]
                 continue
             if T in self.small:
                 if r == 0:

@@ -137,11 +137,29 @@ def test_pending_pairs_reach_the_head_whatever_the_rounds_and_batches(tiny_llama
     original = drafter._tree
     drafter._tree = lambda root, g, total: (grown.append(g), original(root, g, total))[1]
     drafter.propose([step(b, len(seqs[b]) - 1) for b in (0, 1)], [1, 1])
+    assert len(grown) == 2 and drafter.catchup_seconds > 0  # both drafted; the first through a catch-up
     for b, g in enumerate(grown):
         assert len(g.cands) == 3
         for c in range(3):
             ref = sequential_score(drafter.head, target, drafter, seqs[b], feats[b], [g.cands.tokens[c]])
             assert abs(ref - g.cands.scores[c]) < 1e-9
+
+
+def test_kv_budget_on_the_cpu_counts_the_heads_kv_and_feature_cache(tiny_llama, head_dir, monkeypatch):
+    """Sized from memory, an engine with a head gets fewer KV blocks, by the head's one-layer
+    KV and feature row per token; its feature cache is as wide as the budget counted."""
+    import engine.model_runner as mr
+    from engine.gpu_memory import draft_feature_width, kv_bytes_per_token
+    monkeypatch.setattr(mr, "_memory_bytes", lambda device: 1 << 22)
+    kw = {**KW, "kv_cache_tokens": None, "kv_cache_memory_fraction": 0.5, "max_num_seqs": 4096}
+    plain_llm = LLM(tiny_llama[0], **kw)
+    head_llm = LLM(tiny_llama[0], draft=head_dir, spec=SpecConfig("eagle2", total_tokens=4, depth=2, top_k=2), **kw)
+    m = plain_llm.runner.loaded.config
+    width = draft_feature_width(head_llm.runner.config, m.hidden_size)
+    assert width == m.hidden_size and head_llm.runner.drafter.features.shape == (head_llm.runner.num_blocks * 4, width)
+    for llm, per_token in ((plain_llm, kv_bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, 8)),
+                           (head_llm, kv_bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, 8, 1, width))):
+        assert llm.runner.num_blocks == (1 << 21) // per_token // 4
 
 
 def llm_first_tokens(llm, prompt, n):

@@ -11,8 +11,9 @@ feature cache paged like the KV cache: row `slot(j)` of one [slots, width] tenso
 feature of position j. A round's observed rows go in with one index_copy, whatever the batch.
 Kept as per-round copies instead, a list per sequence, thousands of small live tensors piled up
 under load while the budget decoded plainly, and the garbage collector and allocator slowed every
-round: plain rounds of 16 sequences ran 4.6% slower than an engine without a head and as fast
-when the features were not kept (bench/bench_round_overhead.py; docs/architecture.md).
+round: plain rounds of 16 sequences ran 4.3-6.5% slower than an engine without a head, and
+without the kept features as fast in one run and a third of that gap closed in another
+(bench/bench_round_overhead.py; docs/architecture.md).
 """
 from __future__ import annotations
 
