@@ -26,6 +26,7 @@ import bench_serve as bs  # noqa: E402
 import torch  # noqa: E402
 
 from engine.forward_batch import SeqSpan  # noqa: E402
+from engine.spec.eagle_drafter import feature_width  # noqa: E402
 
 SHAPES = ((1, 16, 100), (1, 128, 100), (4, 128, 100), (8, 16, 200), (8, 128, 100), (16, 64, 150))
 
@@ -44,7 +45,7 @@ def main(argv=None):
     llm = bs.build_engine("on")
     runner, drafter = llm.runner, llm.runner.drafter
     # as wide as the target hands the drafter ([f ; aux] for a fused-feature head)
-    hidden = runner.model.config.hidden_size * (1 + len(runner.model.aux_layers))
+    hidden = feature_width(runner.model.config.hidden_size, runner.model.aux_layers)
     source = bd.source_digest()
     rows = []
     with torch.inference_mode():

@@ -33,8 +33,9 @@ def run(args) -> dict:
     from engine.model_runner import resolve_device, resolve_dtype
     from engine.train.data import load_conversations, render
     from engine.train.head import TrainHead
-    from engine.train.trainer import (Losses, TrainConfig, head_aux_layers, read_head, evaluate_head,
-                                      extract_features, load_shards, regenerate)
+    from engine.spec.eagle_head import head_aux_layers
+    from engine.train.trainer import (Losses, TrainConfig, read_head, evaluate_head, extract_features, load_shards,
+                                      regenerate)
     name = args.data if args.data in ("sharegpt", "mtbench") else os.path.splitext(os.path.basename(args.data))[0]
     work = os.path.join(args.work, f"{name}-{args.skip}-{args.skip + args.conversations}-{args.regen_max_tokens}")
     data = args.data

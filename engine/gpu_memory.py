@@ -13,9 +13,6 @@ estimate errs towards a smaller cache. The arithmetic is in pure functions (`kv_
 """
 from __future__ import annotations
 
-import json
-import os
-
 import torch
 
 GIB = 1 << 30
@@ -65,12 +62,16 @@ def draft_feature_width(config, hidden_size: int) -> int:
     if not (config.spec.uses_head and config.draft):
         return 0
     from engine.spec.eagle_drafter import feature_width
-    try:
-        with open(os.path.join(config.draft, "config.json")) as f:
-            aux = json.load(f).get("aux_layers") or []
-    except (OSError, ValueError, AttributeError):
-        aux = []  # the head's loader reports what is wrong with it
-    return feature_width(hidden_size, aux if isinstance(aux, list) else [])
+    from engine.spec.eagle_head import head_aux_layers
+    return feature_width(hidden_size, head_aux_layers(config.draft))
+
+
+def engine_kv_bytes_per_token(config, model, dtype: torch.dtype) -> int:
+    """What one KV token costs an engine (EngineConfig `config`, the target's ModelConfig
+    `model`): the target's KV, and the EAGLE head's KV and feature cache where it drafts."""
+    return kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, dtype.itemsize,
+                              draft_layers=1 if config.spec.uses_head and config.draft else 0,
+                              draft_feature_width=draft_feature_width(config, model.hidden_size))
 
 
 def graph_reserve_bytes(batch: int, tokens: int, kv_len: int, num_heads: int, num_kv_heads: int,
@@ -129,10 +130,8 @@ def cuda_kv_cache_tokens(runner) -> int:
     from engine.cuda_graphs import default_buckets, graphs_enabled
 
     c, m = runner.config, runner.loaded.config
-    elt = torch.empty((), dtype=runner.dtype).element_size()
-    per_token = kv_bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, elt,
-                                   draft_layers=1 if c.spec.uses_head and c.draft else 0,
-                                   draft_feature_width=draft_feature_width(c, m.hidden_size))
+    elt = runner.dtype.itemsize
+    per_token = engine_kv_bytes_per_token(c, m, runner.dtype)
     total, in_use = profile_in_use(runner)
     reserve = 0
     if graphs_enabled(runner.device, c.cuda_graphs):  # the largest capturable bucket's intermediates

@@ -96,11 +96,8 @@ class ModelRunner:
                 from engine.gpu_memory import cuda_kv_cache_tokens
                 budget = cuda_kv_cache_tokens(self)
             else:
-                from engine.gpu_memory import draft_feature_width, kv_bytes_per_token
-                per_token = kv_bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim,
-                                               torch.empty((), dtype=self.dtype).element_size(),
-                                               draft_layers=1 if c.spec.uses_head and c.draft else 0,
-                                               draft_feature_width=draft_feature_width(c, m.hidden_size))
+                from engine.gpu_memory import engine_kv_bytes_per_token
+                per_token = engine_kv_bytes_per_token(c, m, self.dtype)
                 budget = int(_memory_bytes(self.device) * c.kv_cache_memory_fraction) // per_token
             tokens = min(budget, c.max_num_seqs * m.max_model_len)
         return max(1, tokens // c.block_size)

@@ -176,9 +176,10 @@ class ProfileRun:
         # one sequence's trees (up to SMALL_TOKENS) differ by ~0.25 ms a token on the default
         # model, under the noise of a few consecutive timings: timed one after another, 5 each,
         # the points for 1-6 tokens came out at 7.82-7.96 ms (cost_profile_on in
-        # bench/results/serve_s25.json) and made a tree's extra rows look nearly free. So they are timed in sweeps, every size once per sweep (a step), the
-        # sweeps' medians kept: interleaved, 300 times each, 1 / 3 / 5 / 8 tokens took 5.46 /
-        # 6.17 / 6.72 / 7.44 ms (a scratch run, session 25)
+        # bench/results/serve_s25.json) and made a tree's extra rows look nearly free. So they
+        # are timed in sweeps, every size once per sweep (a step), the sweeps' medians kept:
+        # interleaved, 300 times each, 1 / 3 / 5 / 8 tokens took 5.46 / 6.17 / 6.72 / 7.44 ms
+        # (a scratch run, session 25)
         self.small = [t for t in VERIFY_GRID if t <= min(SMALL_TOKENS, max_tokens)]
         self.small_times: dict[int, list[float]] = {t: [] for t in self.small}
         self.todo = [("sweep", r) for r in range(small_repeats + 1)]  # sweep 0 warms up
@@ -220,11 +221,10 @@ class ProfileRun:
                 if not self.small:  # nothing left to sweep
                     self.todo = [(k, y) for k, y in self.todo if k != "sweep"]
                 continue
-            if T in self.small:
-                if r == 0:
-                    run()  # warm-up
-                else:
-                    self.small_times[T].append(_time_once(run, self.meter))
+            if r == 0:
+                run()  # warm-up
+            else:
+                self.small_times[T].append(_time_once(run, self.meter))
         if not any(k == "sweep" for k, _ in self.todo):
             self.verify = [(T, statistics.median(self.small_times[T])) for T in self.small
                            if self.small_times[T]] + self.verify
@@ -261,8 +261,8 @@ class ProfileRun:
     def _draft(self, n: int, ids_of: list[int]) -> bool:
         runner, bs, context, repeats = self.runner, self.runner.config.block_size, self.context, self.repeats
         drafter, vocab = runner.drafter, runner.loaded.config.vocab_size
-        # as wide as the target hands the drafter: [f ; aux] for a fused-feature head
-        h = runner.loaded.config.hidden_size * (1 + len(runner.model.aux_layers))
+        from engine.spec.eagle_drafter import feature_width  # [f ; aux] for a fused-feature head
+        h = feature_width(runner.loaded.config.hidden_size, runner.model.aux_layers)
         blocks_per = -(-(context + runner.spec.scratch_slots + 2 * repeats + 8) // bs)
         if n * blocks_per > len(ids_of):
             return False

@@ -111,6 +111,17 @@ def aux_norm(aux: torch.Tensor, n: int, eps: float) -> torch.Tensor:
     return a.reshape(aux.shape)
 
 
+def head_aux_layers(path: str) -> list[int]:
+    """The target layers a head directory fuses (config.json `aux_layers`; [] for a plain head,
+    and for a missing or broken config, which `load_eagle_head` reports clearly)."""
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            aux = json.load(f).get("aux_layers") or []
+    except (OSError, ValueError, AttributeError):
+        return []
+    return list(aux) if isinstance(aux, list) else []
+
+
 def _read_weights(path: str) -> dict[str, torch.Tensor]:
     st = os.path.join(path, "model.safetensors")
     if os.path.exists(st):

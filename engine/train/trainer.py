@@ -115,6 +115,7 @@ def train_draft(cfg: TrainConfig, log=print) -> dict:
         raise DataError(f"--aux-layers must be below the target's last layer ({n_layers - 1}): its output is "
                         f"the feature every head reads already")
     if cfg.init:
+        from engine.spec.eagle_head import head_aux_layers
         init_aux = head_aux_layers(cfg.init)
         if init_aux and tuple(init_aux) != tuple(cfg.aux_layers):
             raise DataError(f"--init {cfg.init} fuses target layers {list(init_aux)}; pass --aux-layers "
@@ -594,15 +595,6 @@ def evaluate_head(head, losses: "Losses", idx: list[int], ids, masks, feats, off
             "heldout_tokens": tot["n"],
             **({f"heldout_top1_step{i + 1}": a / max(n, 1) for i, (a, n) in enumerate(steps_tot)}
                if steps > 1 else {})}
-
-
-def head_aux_layers(path: str) -> list[int]:
-    """The target layers a head directory fuses (config.json `aux_layers`; [] for a plain head)."""
-    try:
-        with open(os.path.join(path, "config.json")) as f:
-            return list(json.load(f).get("aux_layers") or [])
-    except (OSError, ValueError):
-        return []  # read_head reports a missing or broken config clearly
 
 
 def read_head(path: str, loaded) -> tuple[dict[str, torch.Tensor], bool]:
