@@ -78,14 +78,14 @@ class FixedTree:
         self.tokens, self.depth, self.times = 1, None, {}
         self.last_depths = []
 
-    def choose(self, confidences, caps, prefill_tokens=0, depths=None):
+    def choose(self, confidences, caps, prefill_tokens=0, depths=None, **kw):
         self.last_depths = [self.depth if self.tokens > 1 else None] * len(confidences)
         return [self.tokens] * len(confidences)
 
     def observe(self, *args):
         pass
 
-    def observe_round(self, tokens, levels, seconds, committed=None, catchup=0.0, prefill=None):
+    def observe_round(self, tokens, levels, seconds, committed=None, catchup=0.0, prefill=None, **kw):
         if tokens == 1 or levels:  # decode rounds only (not the prompt's prefill)
             self.times.setdefault(f"{self.tokens}x{self.depth}", []).append(seconds)
 

@@ -35,7 +35,8 @@ def build(kind: str):
     at all), on-nofeat (its drafter keeps no features: observe and sync do nothing), off-slots
     ("off" reserving on's scratch slots past each sequence's committed length every round),
     on-noslots (on-plain reserving none), on-noaux (on-nofeat whose target forward returns no
-    fused-head features either). Any kind may end in modifiers: +lifo (the block
+    fused-head features either), on-noretire ("on" whose budget retires no sequence for its
+    backlog of head pairs: the budget before session 26). Any kind may end in modifiers: +lifo (the block
     allocator hands out the block freed last, its order before the lowest-id heap), +shuffle
     (the free blocks in a random order to start with, then the block freed last), +hold (plain
     rounds keep their scratch reservation instead of giving it back; +hold+lifo is "on-plain"
@@ -43,7 +44,8 @@ def build(kind: str):
     from engine.spec.config import SpecConfig
     from engine.spec.drafters import NoDrafter
     kind, *mods = kind.split("+")
-    base = {"on-nodraft": "on-plain", "on-nofeat": "on-plain", "on-noaux": "on-plain", "off-slots": "off", "on-noslots": "on-plain"}
+    base = {"on-nodraft": "on-plain", "on-nofeat": "on-plain", "on-noaux": "on-plain", "off-slots": "off",
+            "on-noslots": "on-plain", "on-noretire": "on"}
     llm = bs.build_engine(base.get(kind, kind))
     if kind == "on-nodraft":
         llm.runner.drafter = NoDrafter()
@@ -55,6 +57,8 @@ def build(kind: str):
         llm.runner.model.set_aux_layers(())
         llm.runner.drafter.observe = llm.runner.drafter.observe_many = lambda *a, **k: None
         llm.runner.drafter.sync = lambda *a, **k: None
+    elif kind == "on-noretire":
+        llm.budget._retire = lambda caps, *a, **k: [False] * len(caps)
     elif kind == "off-slots":
         llm.loop.scheduler.spec_slots = SpecConfig("eagle2").scratch_slots
     elif kind == "on-noslots":

@@ -34,7 +34,7 @@ def instrument(llm) -> dict:
     budget, stats = llm.budget, collections.defaultdict(lambda: [0, 0.0, 0])
     real = budget.observe_round
 
-    def observe_round(tokens, levels, seconds, committed=None, catchup=0.0, prefill=None):
+    def observe_round(tokens, levels, seconds, committed=None, catchup=0.0, prefill=None, **kw):
         pending = budget._pending  # (sequences, prefill tokens, kind, probe) of this round, set by choose()
         key = "none" if pending is None else pending[2] + ("+prefill" if pending[1] else "")
         entry = stats[key]

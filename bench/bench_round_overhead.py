@@ -138,6 +138,10 @@ def main(argv=None):
         print(f"c={c}: " + ", ".join(f"{e} {statistics.median(v):.1f} tok/s" for e, v in per.items()))
     result = {"config": vars(args), "rows": rows, "round_phases": kinds,
               "head_catchup_seconds": {n: e.runner.catchup_seconds for n, e in engines.items()},
+              "head_catchup_pairs": {n: e.runner.catchup_pairs for n, e in engines.items()},
+              # sequence-rounds the budget left plain for their backlog, and its per-pair cost (s)
+              "budget_retired": {n: getattr(e.budget, "retired", None) for n, e in engines.items()},
+              "budget_catchup_rate": {n: getattr(e.budget, "catchup_rate", None) for n, e in engines.items()},
               "source_digest": source, "source_changed": source != bd.source_digest(), "git_head": bd.git_head()}
     bd.write_result(args.out, result)
 

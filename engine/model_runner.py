@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -139,6 +139,11 @@ class ModelRunner:
         """Seconds the drafter spent consuming backlogs of pending pairs (cumulative)."""
         return getattr(self.drafter, "catchup_seconds", 0.0)
 
+    @property
+    def catchup_pairs(self) -> int:
+        """The pairs those catch-ups consumed (cumulative)."""
+        return getattr(self.drafter, "catchup_pairs", 0)
+
     def release(self, seq_id: int) -> None:
         self.drafter.release(seq_id)
 
@@ -188,6 +193,8 @@ class ModelRunner:
             k += n
         if observed:
             self.drafter.observe_many(observed, hidden[torch.tensor(feature_rows, device=self.device)])
+            backlog = self.drafter.backlog
+            results = [replace(r, head_backlog=backlog(r.seq_id)) for r in results]
         self.timings.add(draft=t1 - t0, verify=t2 - t1, accept=time.perf_counter() - t2)
         return results
 
@@ -204,7 +211,8 @@ class ModelRunner:
                       s.tree_depth if s.tree_depth is not None
                       else self.spec.max_depth if s.tree_tokens is None else s.tree_tokens - 1) for s in steps]
         decoding = [i for i, s in enumerate(steps) if len(s.token_ids) == 1 and s.num_cached > 0 and depths[i] > 0]
-        idle = [s for i, s in enumerate(steps) if len(s.token_ids) == 1 and s.num_cached > 0 and depths[i] <= 0]
+        idle = [s for i, s in enumerate(steps)
+                if len(s.token_ids) == 1 and s.num_cached > 0 and depths[i] <= 0 and s.head_sync]
         if idle:
             self.drafter.sync(idle)
         if decoding:

@@ -32,6 +32,7 @@ class SeqStep:
     tree_tokens: int | None = None  # most tokens to verify this round, root included; None: the configured tree
     tree_depth: int | None = None  # most levels to draft this round; None: tree_tokens - 1 (or the configured depth)
     restart: bool = True  # the sequence's first step since admission: engine-side state starts over
+    head_sync: bool = True  # not drafting this round: may the drafter still consume its backlog (sync)
 
     @property
     def history(self) -> list[int]:
@@ -65,6 +66,7 @@ class SeqResult:
     draft_confidence: tuple[float, ...] = ()
     draft_depths: tuple[int, ...] = ()  # each confidence's node depth
     draft_depth: int = 0  # levels drafted this round (the draft's cost)
+    head_backlog: int = 0  # pairs the drafter holds for the sequence, not yet consumed (after this round)
 
     @property
     def num_accepted(self) -> int:

@@ -49,6 +49,8 @@ import bisect
 from collections import Counter
 from dataclasses import dataclass, field
 
+CATCHUP_MIN_PAIRS = 16  # catch-ups of fewer pairs do not time the per-pair cost (a forward's fixed cost dominates)
+
 
 @dataclass
 class CostModel:
@@ -328,6 +330,10 @@ class TreeBudget:
         self.guarded = 0  # rounds the guard turned plain
         # head catch-up seconds per sequence of a chosen speculating round (running, from 0)
         self.catchup_per_seq = 0.0
+        # seconds a catch-up forward takes per pending pair (running; None before the first)
+        self.catchup_rate: float | None = None
+        self.last_sync: list[bool] = []  # per decoding sequence of the last choice: keep its head in step
+        self.retired = 0  # sequence-rounds left plain because their backlog would not pay back
         self.spec_rounds = 0  # rounds that drafted (the choice, its probes and explorations)
         # this round's (sequences, prefill, kind, probe)
         self._pending: tuple[int, int, str, bool] | None = None
@@ -358,7 +364,8 @@ class TreeBudget:
             self.prior[d] = tuple(p + self.ema * (c - p) for p, c in zip(self.prior[d], conf))
 
     def observe_round(self, tokens: int, levels: list[int] | int, seconds: float,
-                      committed: int | None = None, catchup: float = 0.0, prefill: bool | None = None) -> None:
+                      committed: int | None = None, catchup: float = 0.0, prefill: bool | None = None,
+                      catchup_pairs: int = 0) -> None:
         """A round's measured wall time (see `CostModel.observe`); `committed`: the tokens it
         emitted, for the measured guard (pure decode rounds only: a prefill chunk's cost and
         its sequence's first token say nothing about decoding); `catchup`: seconds of it the
@@ -382,7 +389,13 @@ class TreeBudget:
         (`spec_with_prefill`): the curves price decode rounds, and a forward of one long chunk
         plus a few decode tokens costs far less than as many tokens spread over many sequences'
         trees (a 192-token profile point, 24 sequences x 8 tokens, read 148 ms; prefill rounds
-        of about that size pulled it to 65.8 ms in bench_serve's sweep at commit 4c93350)."""
+        of about that size pulled it to 65.8 ms in bench_serve's sweep at commit 4c93350).
+        `catchup_pairs`: the pending pairs those seconds consumed; their ratio is what a
+        backlog costs per pair (`catchup_rate`, see `choose`)."""
+        if catchup_pairs >= CATCHUP_MIN_PAIRS and catchup > 0:
+            per_pair = catchup / catchup_pairs
+            self.catchup_rate = per_pair if self.catchup_rate is None else \
+                self.catchup_rate + self.guard_ema * (per_pair - self.catchup_rate)
         pending, self._pending = self._pending, None
         if prefill is None:  # the loop says; else what the round's choice was told
             prefill = pending is not None and pending[1] > 0
@@ -480,21 +493,39 @@ class TreeBudget:
         return self._guard(n)[0]
 
     def choose(self, confidences: list[tuple[float, ...]], caps: list[int], prefill_tokens: int = 0,
-               depths: list[tuple[int, ...]] | None = None) -> list[int]:
+               depths: list[tuple[int, ...]] | None = None, backlogs: list[int] | None = None,
+               remaining: list[int] | None = None) -> list[int]:
         """Tokens to verify for each decoding sequence (1 = no speculation); `last_depths` then
         holds how deep each drafts (None where it does not). caps[s]: most tokens the sequence
         may still emit this round (max_tokens / context), bounding its depth. confidences[s]
         (with depths[s], their nodes' depths): what the sequence's draft is expected to give,
         best first; () for the learnt prior. The scheduler passes () for all: the last round's
         confidences barely predict the next round's acceptance (correlation 0.04 for the
-        shipped head: bench/bench_budget_stats.py), the running prior does better."""
+        shipped head: bench/bench_budget_stats.py), the running prior does better.
+
+        backlogs[s]: the pairs the sequence's head has pending (what its next draft consumes
+        first); remaining[s]: the most tokens it may still emit. A sequence left plain for a
+        while (the batch was too large to speculate) has a backlog its next draft pays in one
+        head forward, catchup_rate seconds a pair; drafting then saves at most
+        1 / plain - 1 / best seconds (the modelled rates of this batch size) per token it still
+        emits. Where the backlog costs more than that saving over the remaining tokens, the
+        sequence is retired: it decodes plainly and its head is not kept in step
+        (`last_sync[s]` False; the engine's sync skips it), and the tree is searched again
+        for the others. At 8 clients the rounds after a plain stretch, as requests finished,
+        drafted every sequence and paid each one's backlog (2.30 s off against 2.58 s on over
+        2-7 sequences: bench/results/round_overhead_c8_s25.json)."""
         n = len(confidences)
+        retired = [False] * n
         if prefill_tokens and not self.spec_with_prefill:
             sizes, deep, best_rate, plain = [1] * n, [0] * n, 0.0, 0.0
         elif any(confidences):
             sizes, deep, best_rate, plain = self._choose_each(confidences, caps, prefill_tokens, depths)
         else:
+            retired = self._retire(caps, prefill_tokens, backlogs, remaining)
+            if any(retired):
+                caps = [1 if r else c for c, r in zip(caps, retired)]
             sizes, deep, best_rate, plain = self._choose_shared(caps, prefill_tokens)
+        self.last_sync = [not r for r in retired]
         self.rounds += 1
         self.last_modelled = (best_rate, plain)
         kind = model_kind = "spec" if any(x > 1 for x in sizes) else "plain"
@@ -548,11 +579,29 @@ class TreeBudget:
         self.costs = costs
         self._search.clear()
 
+    def _retire(self, caps: list[int], prefill: int, backlogs: list[int] | None,
+                remaining: list[int] | None) -> list[bool]:
+        """Sequences whose backlog of head pairs costs more to consume than drafting could
+        save them over their remaining tokens (see `choose`); none before a catch-up was timed."""
+        n = len(caps)
+        if backlogs is None or remaining is None or self.catchup_rate is None:
+            return [False] * n
+        m = sum(1 for c in caps if c > 1)
+        if not m:
+            return [False] * n
+        _, plain, spec_best = self._searched(n, m, prefill)
+        saving = 1.0 / plain - 1.0 / spec_best[0] if spec_best[0] > plain > 0 else 0.0
+        out = [c > 1 and self.catchup_rate * b > saving * r for c, b, r in zip(caps, backlogs, remaining)]
+        self.retired += sum(out)
+        return out
+
     def _min_gain(self, n: int) -> float:
         """The modelled gain a tree must show over plain decoding at n decoding sequences."""
         return self.min_gain_one if n == 1 else self.min_gain
 
-    def _search_shared(self, n: int, prefill: int):
+    def _search_shared(self, n: int, prefill: int, m: int | None = None):
+        """The best shared tree for n decoding sequences of which m (None: all) may draft."""
+        m = n if m is None else m
         c = self.calibration
         verify = self.costs.verify
         plain = n / max(verify(prefill + n), 1e-12)
@@ -567,27 +616,29 @@ class TreeBudget:
         cost = {}  # (sequences drafting, depth) -> seconds
 
         def rate(d: int, k: int) -> float:
-            base, extra = divmod(k, n)
+            base, extra = divmod(k, m)
             acc = sums[d - 1]
-            emitted = n + c * (n * acc[base] + (extra * (acc[base + 1] - acc[base]) if extra else 0.0))
-            m = n if base else extra
-            dc = cost.get((m, d))
+            emitted = n + c * (m * acc[base] + (extra * (acc[base + 1] - acc[base]) if extra else 0.0))
+            seqs = m if base else extra
+            dc = cost.get((seqs, d))
             if dc is None:
-                dc = cost[(m, d)] = self.costs.draft(m, d)
+                dc = cost[(seqs, d)] = self.costs.draft(seqs, d)
             return emitted / max(verify(prefill + n + k) + dc, 1e-12)
 
         top = self.max_tree - 1
+        if m <= 0:
+            return (plain, 0, 0), plain, spec_best
         for d in range(1, len(self.prior) + 1):
             for t in range(1, min(top, drafted[d - 1]) + 1):  # past the drafted nodes, nothing gains
-                r = rate(d, n * t)
+                r = rate(d, m * t)
                 if r > spec_best[0]:
-                    spec_best = (r, d, n * t)
+                    spec_best = (r, d, m * t)
         # speculation must beat plain by min_gain at a whole tree per sequence; only then is the
         # size refined (sequences taking one node more or less)
         pays = spec_best[0] > plain * (1 + self._min_gain(n))
         if spec_best[2]:
-            d, t = spec_best[1], spec_best[2] // n
-            for k in range(n * (t - 1) + 1, min(n * (t + 1), n * min(top, drafted[d - 1]))):
+            d, t = spec_best[1], spec_best[2] // m
+            for k in range(m * (t - 1) + 1, min(m * (t + 1), m * min(top, drafted[d - 1]))):
                 r = rate(d, k)
                 if r > spec_best[0]:
                     spec_best = (r, d, k)
@@ -601,29 +652,34 @@ class TreeBudget:
         costs moving slowly (at 8 sequences it was ~2% of a round done every round). probe: the
         best tree even where it models below plain (see model_probe_every)."""
         n = len(caps)
-        key = (n, prefill)
-        hit = self._search.get(key)
-        if hit is not None and self.rounds - hit[0] < self.research_every:
-            best, plain, spec_best = hit[1], hit[2], hit[3]
-        else:
-            best, plain, spec_best = self._search_shared(n, prefill)
-            if len(self._search) > 256:
-                self._search.clear()
-            self._search[key] = (self.rounds, best, plain, spec_best)
+        able = [s for s in range(n) if caps[s] > 1]  # sequences that may draft
+        best, plain, spec_best = self._searched(n, len(able), prefill)
         rate_, d, k = spec_best if probe else best
-        base, extra = divmod(k, n)
         sizes, deep = [1] * n, [0] * n
-        if not k:
+        if not k or not able:
             return sizes, deep, rate_, plain
-        for s in range(n):
-            grow = base + (1 if s < extra else 0)
-            if grow and caps[s] > 1:
+        base, extra = divmod(k, len(able))
+        for j, s in enumerate(able):
+            grow = base + (1 if j < extra else 0)
+            if grow:
                 dd = min(d, caps[s] - 1)
                 if dd < d and self.max_depth:  # a capped sequence: no more nodes than that depth drafts
                     grow = min(grow, sum(1 for p in self.prior[dd - 1] if p > 0))
                 sizes[s] = 1 + grow
                 deep[s] = dd
         return sizes, deep, rate_, plain
+
+    def _searched(self, n: int, m: int, prefill: int):
+        """_search_shared(n, prefill, m), reused for research_every rounds."""
+        key = (n, m, prefill)
+        hit = self._search.get(key)
+        if hit is not None and self.rounds - hit[0] < self.research_every:
+            return hit[1], hit[2], hit[3]
+        best, plain, spec_best = self._search_shared(n, prefill, m)
+        if len(self._search) > 256:
+            self._search.clear()
+        self._search[key] = (self.rounds, best, plain, spec_best)
+        return best, plain, spec_best
 
     def _nodes(self, conf: tuple[float, ...], depths: tuple[int, ...]) -> list[tuple[float, int]]:
         """A sequence's candidate nodes (confidence, depth), best first."""

@@ -33,7 +33,8 @@ class Executor(Protocol):
         """Forget a finished sequence's engine-side state (e.g. pending draft features)."""
 
     # optional: `catchup_seconds`, cumulative seconds of work a round did that its tree budget
-    # should not learn as the round's cost (the drafter consuming a backlog of pending pairs)
+    # should not learn as the round's cost (the drafter consuming a backlog of pending pairs),
+    # and `catchup_pairs`, the pairs that work consumed
 
 
 class IdleWork(Protocol):
@@ -69,6 +70,7 @@ class EngineLoop:
         self.last_step_time: float | None = None
         self._round_start: float | None = None
         self._catchup_start = 0.0
+        self._catchup_pairs_start = 0
         self.vocab_size = vocab_size
         self._ids = itertools.count()
         self._text: dict[int, SeqTextState] = {}
@@ -146,6 +148,7 @@ class EngineLoop:
         """Schedule the next step (admission, block reservations, tree budgets)."""
         self._round_start = time.perf_counter()
         self._catchup_start = getattr(self.executor, "catchup_seconds", 0.0)
+        self._catchup_pairs_start = getattr(self.executor, "catchup_pairs", 0)
         seqs = self.scheduler.schedule()
         return seqs, self.scheduler.steps(seqs)
 
@@ -207,8 +210,9 @@ class EngineLoop:
             # drafter's backlog catch-up is left out of what the cost model learns
             seconds = time.perf_counter() - self._round_start
             catchup = getattr(self.executor, "catchup_seconds", 0.0) - self._catchup_start
+            pairs = getattr(self.executor, "catchup_pairs", 0) - self._catchup_pairs_start
             budget.observe_round(forward_tokens, levels, seconds, committed=sum(len(r.token_ids) for r in ok),
-                                 catchup=max(catchup, 0.0), prefill=prefill)
+                                 catchup=max(catchup, 0.0), prefill=prefill, catchup_pairs=max(pairs, 0))
         self._round_start = None
         return outputs
 

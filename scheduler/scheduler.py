@@ -152,11 +152,16 @@ class Scheduler:
         else:
             # no per-sequence confidences: the budget's running prior predicts a round better
             # than the sequence's own last round does
-            sizes = self.budget.choose([()] * len(decoding), caps, prefill)
+            remaining = [max(1, min(s.params.max_tokens - len(s.output_token_ids),
+                                    self.config.max_model_len - s.num_tokens)) for s in decoding]
+            sizes = self.budget.choose([()] * len(decoding), caps, prefill,
+                                       backlogs=[s.head_backlog for s in decoding], remaining=remaining)
             depths = getattr(self.budget, "last_depths", None) or [None] * len(decoding)
-        for s, size, depth in zip(decoding, sizes, depths):
+        sync = getattr(self.budget, "last_sync", None) or [True] * len(decoding)
+        for s, size, depth, keep in zip(decoding, sizes, depths, sync):
             s.tree_tokens = size  # None: the engine's configured tree
             s.tree_depth = depth
+            s.head_sync = keep
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -176,7 +181,8 @@ class Scheduler:
                                output_token_ids=list(s.output_token_ids),
                                sample=start + s.num_scheduled == s.num_tokens,
                                max_new_tokens=self.max_new_tokens(s), prompt_token_ids=s.prompt_token_ids,
-                               tree_tokens=s.tree_tokens, tree_depth=s.tree_depth, restart=s.restart))
+                               tree_tokens=s.tree_tokens, tree_depth=s.tree_depth, restart=s.restart,
+                               head_sync=s.head_sync))
         return out
 
     def max_new_tokens(self, seq: Sequence) -> int:
@@ -200,6 +206,7 @@ class Scheduler:
             done = None
             if result is not None:
                 seq.spec.add(result)
+                seq.head_backlog = result.head_backlog
                 if self.budget is not None and result.num_draft_tokens:
                     self.budget.observe(result.draft_confidence, result.num_draft_tokens + 1, result.num_accepted,
                                         result.draft_depths, result.draft_depth)

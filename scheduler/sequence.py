@@ -69,6 +69,8 @@ class Sequence:
     tree_tokens: int | None = None  # tokens the step may verify (1: no speculation; None: the engine's tree)
     tree_depth: int | None = None  # levels the step may draft (None: the engine's rule)
     restart: bool = True  # first step since admission: engine-side state starts over
+    head_sync: bool = True  # not drafting this step: the drafter may still consume its backlog
+    head_backlog: int = 0  # pairs the drafter held for it after its last sampled step
     error: str | None = None  # why an engine error ended it (finish reason ERROR)
     _hashes: list[int] = field(default_factory=list)
 

@@ -62,7 +62,7 @@ class FixedBudget:
     def __init__(self, size: int, depth: int | None = None):
         self.size, self.depth, self.last_depths = size, depth, []
 
-    def choose(self, confidences, caps, prefill_tokens=0, depths=None):
+    def choose(self, confidences, caps, prefill_tokens=0, depths=None, **kw):
         self.last_depths = [self.depth] * len(confidences)
         return [self.size] * len(confidences)
 
@@ -793,13 +793,37 @@ def test_startup_profiler_runs_on_a_tiny_model(tiny_llama, head_dir):
     assert llm.loop.scheduler.budget is llm.budget
 
 
+def test_budget_retires_a_sequence_whose_backlog_would_not_pay_back():
+    """A sequence with a large backlog of head pairs and few tokens left decodes plainly (and
+    its head is not kept in step) while the others draft; with many tokens left, or before
+    any catch-up was timed, it drafts. The per-pair cost is learnt from the rounds' catch-ups."""
+    costs = CostModel([(1, 0.010), (64, 0.0105)], [(1, 0.005), (8, 0.013)], [(1, 0.0005), (8, 0.001)], depth=4)
+    b = TreeBudget(costs, 8, max_depth=4, explore_every=0, cost_rate=0, ema=1.0, guard_min=0, research_every=1)
+    b.observe((0.9, 0.8, 0.05), 4, 2, (1, 1, 2), drafted_depth=2)
+    sizes = b.choose([()] * 3, [8] * 3, backlogs=[5000, 2, 5000], remaining=[10, 10, 10 ** 4])
+    assert all(x > 1 for x in sizes) and b.last_sync == [True] * 3  # no per-pair cost yet
+    b.observe_round(sum(sizes), [3], 0.06, catchup=0.05, catchup_pairs=1000)
+    assert b.catchup_rate == pytest.approx(5e-5)
+    b.observe_round(3, [], 0.01, catchup=0.001, catchup_pairs=4)  # too few pairs to time the rate
+    assert b.catchup_rate == pytest.approx(5e-5)
+    # 5000 pairs cost 0.25 s; drafting saves ~3 ms a token here: not over 10 tokens, over 10^4 yes
+    sizes = b.choose([()] * 3, [8] * 3, backlogs=[5000, 2, 5000], remaining=[10, 10, 10 ** 4])
+    assert sizes[0] == 1 and sizes[1] > 1 and sizes[2] > 1
+    assert b.last_sync == [False, True, True] and b.last_depths[0] is None and b.retired == 1
+    chosen, plain = b.last_modelled
+    assert chosen > plain
+    # every sequence retired: plain decoding, and nothing asks the head to keep in step
+    assert b.choose([()] * 2, [8] * 2, backlogs=[5000, 5000], remaining=[10, 10]) == [1, 1]
+    assert b.last_sync == [False, False]
+
+
 class AlternatingBudget:
     """Speculate one round in nine: idle rounds must keep the head's backlog bounded."""
 
     def __init__(self):
         self.rounds = 0
 
-    def choose(self, confidences, caps, prefill_tokens=0, depths=None):
+    def choose(self, confidences, caps, prefill_tokens=0, depths=None, **kw):
         self.rounds += 1
         return [8 if self.rounds % 9 == 0 else 1 for _ in confidences]
 
@@ -843,21 +867,59 @@ def test_rounds_without_drafting_keep_the_head_in_sync(tiny_llama, head_dir, mon
     assert max(backlog) <= 5
 
 
+class UnsyncedBudget(AlternatingBudget):
+    """AlternatingBudget that retires every sequence it leaves plain (last_sync False)."""
+
+    def choose(self, confidences, caps, prefill_tokens=0, depths=None, **kw):
+        sizes = super().choose(confidences, caps, prefill_tokens, depths)
+        self.last_sync = [size > 1 for size in sizes]
+        return sizes
+
+
+def test_a_retired_sequences_head_is_not_kept_in_step_and_its_backlog_is_reported(tiny_llama, head_dir, monkeypatch):
+    """A step the budget marks head_sync=False is left out of the drafter's sync (its backlog
+    grows until it drafts again), outputs stay exact, and every result reports the backlog
+    the drafter holds, which the scheduler hands the budget."""
+    from engine.spec import eagle_drafter
+    monkeypatch.setattr(eagle_drafter, "SYNC_BACKLOG", 5)
+    reqs = workload(4, seed=3)
+    ref = one_at_a_time(LLM(tiny_llama[0], **KW, kv_cache_tokens=4096), reqs)
+    llm = LLM(tiny_llama[0], **KW, kv_cache_tokens=4096, draft=head_dir, tree_budget=False,
+              spec=SpecConfig("eagle2", total_tokens=8, depth=4, top_k=3))
+    llm.loop.scheduler.budget = UnsyncedBudget()
+    drafter = llm.runner.drafter
+    backlog, reported = [], []
+    real = drafter.propose
+
+    def propose(steps, depths):
+        for s in steps:
+            seq = llm.loop._seqs[s.seq_id]
+            reported.append((seq.head_backlog, drafter.backlog(s.seq_id)))
+            backlog.append(drafter.backlog(s.seq_id))
+        return real(steps, depths)
+    drafter.propose = propose
+    outs = llm.generate([p for p, _ in reqs], [sp for _, sp in reqs])
+    assert [o.token_ids for o in outs] == ref
+    assert drafter.catchup_pairs > 0  # drafting rounds consumed what piled up
+    assert max(backlog) > 5  # no sync at 5 pairs: 8 plain rounds pile up 9
+    assert reported and all(a == b for a, b in reported)
+
+
 class ResumingBudget:
     """Speculate in rounds 2 and `resume` only, recording what the loop reports."""
 
     def __init__(self, resume):
         self.rounds, self.resume, self.seen = 0, resume, []
 
-    def choose(self, confidences, caps, prefill_tokens=0, depths=None):
+    def choose(self, confidences, caps, prefill_tokens=0, depths=None, **kw):
         self.rounds += 1
         return [4 if self.rounds in (2, self.resume) else 1 for _ in confidences]
 
     def observe(self, *args):
         pass
 
-    def observe_round(self, tokens, levels, seconds, committed=None, catchup=0.0, prefill=None):
-        self.seen.append((self.rounds, seconds, catchup))
+    def observe_round(self, tokens, levels, seconds, committed=None, catchup=0.0, prefill=None, catchup_pairs=0):
+        self.seen.append((self.rounds, seconds, catchup, catchup_pairs))
 
 
 def test_head_catch_up_waits_for_the_next_draft_once_the_engine_stops_drafting(tiny_llama, head_dir, monkeypatch):
@@ -891,8 +953,10 @@ def test_head_catch_up_waits_for_the_next_draft_once_the_engine_stops_drafting(t
     assert pending[:28] == [0, 1, 2, 3, 4] + list(range(0, 23))
     assert pending[28:] == [1, 2, 3, 4, 0, 1, 2, 3, 4]  # drafted recently again: caught up at 5
     assert drafter.catchup_seconds > 0
-    by_round = {r: (sec, cu) for r, sec, cu in budget.seen}
+    by_round = {r: (sec, cu) for r, sec, cu, _ in budget.seen}
     assert by_round[30][1] > 0 and by_round[30][1] < by_round[30][0]  # the resuming round's catch-up
+    pairs = {r: n for r, _, _, n in budget.seen}
+    assert pairs[30] == 22 and sum(pairs.values()) == drafter.catchup_pairs  # and the pairs it consumed
     assert all(cu == 0 for r, (_, cu) in by_round.items() if 8 < r < 30)  # the stretch without catch-ups
     # with the default limit the same engine would have caught up every SYNC_BACKLOG pairs
     monkeypatch.setattr(eagle_drafter, "IDLE_ROUNDS", 10 ** 6)

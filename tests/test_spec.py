@@ -145,6 +145,48 @@ def test_pending_pairs_reach_the_head_whatever_the_rounds_and_batches(tiny_llama
             assert abs(ref - g.cands.scores[c]) < 1e-9
 
 
+@pytest.mark.parametrize("consumed", [False, True], ids=["prefix-pairs-pending", "prefix-pairs-consumed"])
+def test_a_prefix_cache_hit_drafts_as_if_the_prefix_were_computed(tiny_llama, head_dir, consumed):
+    """Sequence B hits the prefix cache on A's first two blocks. Whether A's head consumed the
+    prefix's pairs (its head KV there written, the last position paired with A's own next
+    token) or not (A decoded plainly: the head's KV there is whatever the slots held before),
+    B's first-level draft equals the head run along B alone."""
+    from engine.step_io import SeqStep
+    llm = LLM(tiny_llama[0], draft=head_dir, spec=SpecConfig("eagle2", total_tokens=4, depth=1, top_k=3), **KW)
+    drafter, target = llm.runner.drafter, llm.runner.model
+    rng = random.Random(11)
+    shared = [rng.randrange(3, 300) for _ in range(8)]  # two blocks of 4
+    a = shared + [5, 6, 7, 8, 9, 10]
+    b = shared + [rng.randrange(11, 300) for _ in range(5)]  # differs from A right after the prefix
+    tables = {0: [40, 3, 17, 5], 1: [40, 3, 22, 9]}
+    seqs = {0: a, 1: b}
+    with torch.inference_mode():
+        feats = {k: target(build_forward_batch([SeqSpan(t[:-1], 0, list(range(200, 210)))], 4, llm.runner.device),
+                           llm.runner.kv, llm.runner.backend) for k, t in seqs.items()}
+
+    def step(k, num_cached, restart=False):
+        t = seqs[k]
+        return SeqStep(seq_id=k, token_ids=t[num_cached:] if restart else [t[num_cached]], num_cached=num_cached,
+                       block_table=tables[k], params=SamplingParams(max_tokens=8), seed=0, output_token_ids=[],
+                       max_new_tokens=8, prompt_token_ids=t, restart=restart)
+
+    drafter.observe_many([(step(0, 0, True), a[1:], True)], feats[0][:len(a) - 1])
+    if consumed:
+        drafter.propose([step(0, len(a) - 1)], [1])
+    else:  # stale head KV in the slots A never wrote
+        drafter.kv.data.normal_(0.0, 3.0, generator=torch.Generator().manual_seed(0))
+    grown = []
+    original = drafter._tree
+    drafter._tree = lambda root, g, total: (grown.append(g), original(root, g, total))[1]
+    # B's prefill from the hit on: its own pairs from position 8 on
+    drafter.observe_many([(step(1, 8, True), b[9:], True)], feats[1][8:len(b) - 1])
+    drafter.propose([step(1, len(b) - 1)], [1])
+    assert len(grown) == 1 and len(grown[0].cands) == 3
+    for c in range(3):
+        ref = sequential_score(drafter.head, target, drafter, b, feats[1], [grown[0].cands.tokens[c]])
+        assert abs(ref - grown[0].cands.scores[c]) < 1e-9
+
+
 def test_kv_budget_on_the_cpu_counts_the_heads_kv_and_feature_cache(tiny_llama, head_dir, monkeypatch):
     """Sized from memory, an engine with a head gets fewer KV blocks, by the head's one-layer
     KV and feature row per token; its feature cache is as wide as the budget counted."""

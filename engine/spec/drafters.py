@@ -35,6 +35,10 @@ class Drafter(abc.ABC):
     def release(self, seq_id: int) -> None:
         pass
 
+    def backlog(self, seq_id: int) -> int:
+        """Pairs observed for the sequence and not yet consumed (what its next draft pays first)."""
+        return 0
+
     def sync(self, steps: list[SeqStep]) -> None:
         """Bring state up to date for decoding sequences that draft nothing this round."""
 

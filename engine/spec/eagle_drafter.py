@@ -73,6 +73,11 @@ class EagleDrafter(Drafter):
                                     dtype=dtype, device=device)
         self.backend = make_backend(cfg.head_dim ** -0.5, device, dtype, attention)
         self.rotary = target.model.rotary if cfg.rope_theta == target.config.rope_theta else _rotary(cfg)
+        # per KV slot: 1 once the head's KV there was written from the slot's current feature and
+        # the pair that follows it (a consumed pair), 0 from the feature's write until then. A
+        # sequence that hits the prefix cache reads it to know how much of the shared prefix's
+        # head KV it can reuse (`_reset`)
+        self.head_written = bytearray(num_blocks * block_size)
         self.states: dict[int, HeadState] = {}
         self._confidence: dict[int, tuple[tuple[float, ...], tuple[int, ...]]] = {}  # seq -> last tree's (confidences, depths)
         self.static = spec.method == "eagle1"
@@ -81,6 +86,7 @@ class EagleDrafter(Drafter):
         self.width = 1 + max(max(p) for p in spec.static_tree) if self.static else spec.top_k
         self.idle_rounds = 0  # rounds since any sequence drafted
         self.catchup_seconds = 0.0  # head forwards that consumed backlogs (see sync), cumulative
+        self.catchup_pairs = 0  # the pairs they consumed, cumulative
 
     def observe(self, step, tokens, features, reset):
         self.observe_many([(step, tokens, reset)], features)
@@ -92,24 +98,53 @@ class EagleDrafter(Drafter):
         for step, tokens, reset in items:
             state = self.states.get(step.seq_id)
             if reset or state is None:
-                # pairs before num_cached came with a prefix-cache hit: their draft KV sits in the
-                # shared blocks, written by the sequence that computed them
-                self.states[step.seq_id] = state = HeadState(draft_len=step.num_cached)
+                self.states[step.seq_id] = state = self._reset(step)
             slots.extend(self._slots(step.block_table, state.draft_len + len(state.tokens), len(tokens)))
             state.tokens.extend(tokens)
         if len(slots) != features.shape[0]:
             raise ValueError(f"{len(slots)} observed tokens with {features.shape[0]} feature rows")
         if slots:
             self.features.index_copy_(0, torch.tensor(slots, device=self.device), features)
+            written = self.head_written
+            for x in slots:  # new features: the head's KV at these slots is not theirs yet
+                written[x] = 0
+
+    def _reset(self, step: SeqStep) -> HeadState:
+        """A sequence's head state at admission. Positions before num_cached came with a
+        prefix-cache hit: their target KV and features sit in the shared blocks, but the head's
+        KV there is only written once the sequence that computed them consumed their pairs (one
+        that decoded plainly and finished never did), and the last one's pairs that position
+        with the token after it, which may be this sequence's own. So the pairs from the first
+        unwritten position on, and the last position's in any case, are pending again: their
+        features are read from the feature cache, their tokens from the history."""
+        n = step.num_cached
+        if n <= 0:
+            return HeadState()
+        slots = self._slots(step.block_table, 0, n)
+        start = next((p for p, x in enumerate(slots) if not self.head_written[x]), n - 1)
+        start = min(start, n - 1)
+        history = step.history
+        return HeadState(draft_len=start, tokens=list(history[start + 1:n + 1]))
 
     def _slots(self, block_table: list[int], start: int, n: int) -> list[int]:
         bs = self.block_size
         return [block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
 
+    def _written(self, step: SeqStep, start: int, n: int) -> None:
+        """The head's KV at positions [start, start + n) of the step's sequence now holds their
+        consumed pairs."""
+        written = self.head_written
+        for x in self._slots(step.block_table, start, n):
+            written[x] = 1
+
     def _pending(self, steps: list[SeqStep], counts: list[int]) -> torch.Tensor:
         """The features of the first counts[i] pending pairs of each step's sequence, stacked."""
         slots = [x for s, k in zip(steps, counts) for x in self._slots(s.block_table, self.states[s.seq_id].draft_len, k)]
         return self.features[torch.tensor(slots, device=self.device)]
+
+    def backlog(self, seq_id: int) -> int:
+        state = self.states.get(seq_id)
+        return len(state.tokens) if state is not None else 0
 
     def release(self, seq_id):
         self.states.pop(seq_id, None)
@@ -170,9 +205,11 @@ class EagleDrafter(Drafter):
         counts = [len(st.tokens) - keep for st in states]  # pairs consumed now, per sequence
         spans = [SeqSpan(st.tokens[:k], st.draft_len, s.block_table) for s, st, k in zip(steps, states, counts)]
         self._head_forward(spans, self._pending(steps, counts))
-        for st, k in zip(states, counts):
+        for s, st, k in zip(steps, states, counts):
+            self._written(s, st.draft_len, k)
             st.draft_len += k
             st.tokens = st.tokens[k:]
+        self.catchup_pairs += sum(counts)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.catchup_seconds += time.perf_counter() - t0
@@ -192,7 +229,8 @@ class EagleDrafter(Drafter):
         hidden = self._head_forward(spans, self._pending(steps, [len(st.tokens) for st in states]))
         ends = torch.tensor([len(st.tokens) for st in states]).cumsum(0) - 1
         last = hidden[ends.to(self.device)]  # [B, h] predicted feature of the root's position
-        for st in states:
+        for s, st in zip(steps, states):
+            self._written(s, st.draft_len, len(st.tokens))
             st.draft_len += len(st.tokens)
             st.tokens = []
         values, indices = (t.tolist() for t in self.head.draft_topk(last, self.target, self.width))
