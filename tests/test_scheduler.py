@@ -812,6 +812,12 @@ def test_budget_retires_a_sequence_whose_backlog_would_not_pay_back():
     assert b.last_sync == [False, True, True] and b.last_depths[0] is None and b.retired == 1
     chosen, plain = b.last_modelled
     assert chosen > plain
+    # a round with a prefill chunk decodes plainly, and still keeps the retired one out of sync
+    assert b.choose([()] * 3, [8] * 3, 64, backlogs=[5000, 2, 5000], remaining=[10, 10, 10 ** 4]) == [1] * 3
+    assert b.last_sync == [False, True, True]
+    # a sequence down to its last token: no draft, and no catch-up of its backlog either
+    b.choose([()] * 2, [1, 8], backlogs=[200, 2], remaining=[1, 10])
+    assert b.last_sync == [False, True]
     # every sequence retired: plain decoding, and nothing asks the head to keep in step
     assert b.choose([()] * 2, [8] * 2, backlogs=[5000, 5000], remaining=[10, 10]) == [1, 1]
     assert b.last_sync == [False, False]
