@@ -173,8 +173,10 @@ class ModelRunner:
         # the first hidden columns only: a fused-feature head's [f ; aux] rows would be gathered
         # whole and then sliced again (the LM head reads f)
         features = hidden[:, :self.loaded.config.hidden_size]
-        logits = self.model.compute_logits(features[torch.tensor(rows, device=self.device)])
-        chosen, logprobs = sample(logits, sample_rows, self.loaded.eos_token_ids)
+        chosen, logprobs = [], []
+        if rows:  # a round of prompt chunks that reach no prompt's end samples nothing
+            logits = self.model.compute_logits(features[torch.tensor(rows, dtype=torch.long, device=self.device)])
+            chosen, logprobs = sample(logits, sample_rows, self.loaded.eos_token_ids)
         t2 = time.perf_counter()
         # what the head observes this round: (step, tokens, reset) and each token's feature row,
         # written to the drafter in one call
@@ -192,7 +194,7 @@ class ModelRunner:
                                         drafted[i], observed, feature_rows))
             k += n
         if observed:
-            self.drafter.observe_many(observed, hidden[torch.tensor(feature_rows, device=self.device)])
+            self.drafter.observe_many(observed, hidden[torch.tensor(feature_rows, dtype=torch.long, device=self.device)])
             backlog = self.drafter.backlog
             results = [replace(r, head_backlog=backlog(r.seq_id)) for r in results]
         self.timings.add(draft=t1 - t0, verify=t2 - t1, accept=time.perf_counter() - t2)

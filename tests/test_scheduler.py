@@ -168,6 +168,22 @@ def test_chunked_prefill_is_exact_and_decodes_keep_running(tiny_llama):
     assert list(s_short.output_token_ids) == ref[1]
 
 
+@pytest.mark.parametrize("spec", ["none", "eagle2"])
+def test_a_prompt_longer_than_a_prefill_chunk_alone(tiny_llama, head_dir, spec):
+    """A lone prompt over several chunks: its first rounds sample nothing (no row reaches the
+    prompt's end); output as with one chunk, and the head is fed every chunk's pairs."""
+    prompt = [random.Random(5).randrange(3, 300) for _ in range(45)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    ref = LLM(tiny_llama[0], **KW, kv_cache_tokens=2048).generate(prompt, params)[0].token_ids
+    kw = dict(draft=head_dir, tree_budget=False, spec=SpecConfig("eagle2", total_tokens=4, depth=2, top_k=2)) \
+        if spec == "eagle2" else {}
+    llm = LLM(tiny_llama[0], **KW, kv_cache_tokens=2048, max_prefill_chunk=16, **kw)
+    out = llm.generate(prompt, params)[0]
+    assert out.token_ids == ref
+    if spec == "eagle2":
+        assert out.spec.verify_steps > 0 and llm.runner.drafter.catchup_pairs >= len(prompt) - 16
+
+
 def test_engine_error_fails_only_that_request(tiny_llama):
     llm = LLM(tiny_llama[0], **KW, kv_cache_tokens=1024)
     runner = llm.runner
