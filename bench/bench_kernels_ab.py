@@ -156,6 +156,20 @@ def decode_part(mods: dict, trees: list[str], prompts: list[list[int]], max_new:
     return out
 
 
+def with_history(prompts: list[list[int]], context: int) -> list[list[int]]:
+    """Each prompt after `context` tokens of the others (cycled), so that every step of its
+    generation attends over a long history of real text."""
+    out = []
+    for i, p in enumerate(prompts):
+        history = []
+        j = i + 1
+        while len(history) < context:
+            history.extend(prompts[j % len(prompts)])
+            j += 1
+        out.append(history[:context] + p)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rev", default="HEAD", help="the baseline revision's kernels")
@@ -165,6 +179,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--batch", type=int, default=1, help="prompts per generate call (concurrent sequences)")
     ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument("--context", type=int, default=0,
+                    help="put a history of about this many tokens before every prompt: the other prompts' "
+                         "chat-rendered ids, in turn (attention's share of a step grows with it)")
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--skip-linear", action="store_true")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "kernels_ab.json"))
@@ -182,6 +199,8 @@ def main() -> None:
                   on_engine_thread(lambda: linear_part(mods, [int(r) for r in args.rows.split(",")], args.reps))}
         if not args.skip_decode:
             prompts = bd.mtbench_ids(args.prompts)
+            if args.context:
+                prompts = with_history(prompts, args.context)
             result["decode"] = decode_part(mods, args.trees.split(","), prompts, args.max_new, args.batch)
             result["decode_config"] = {"prompts": args.prompts, "max_new": args.max_new, "draft": DRAFT,
                                        "batch": args.batch, "order": "alternating per group of batch prompts"}

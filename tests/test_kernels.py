@@ -87,7 +87,7 @@ def test_native_paged_attention_matches_torch_backend(dtype, tol):
 
 @pytest.mark.skipif(native is None, reason="no AVX-512 bf16 CPU or no compiler")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n", [1, 15, 16, 37])
+@pytest.mark.parametrize("n", [1, 15, 16, 37, 300])  # 300: several key chunks (CHUNK 128), merged
 # head dims with compiled register layouts (32, 64, 128) and the run-time one (48); 1-8 query
 # heads per KV head (groups of up to 4, or 2 at 128)
 @pytest.mark.parametrize("H, Hkv, D", [(4, 2, 32), (9, 3, 64), (16, 2, 64), (6, 2, 128), (2, 1, 48)])
@@ -97,7 +97,7 @@ def test_native_paged_attention_depends_only_on_the_visible_keys(dtype, n, H, Hk
     nodes), as verified trees need; the kernel works through keys in blocks, which must be cut
     from the visible keys. Also checks it against a float64 softmax."""
     gen = torch.Generator().manual_seed(n)
-    S = 96
+    S = max(96, n + 60)
     kc = torch.randn(S, Hkv, D, generator=gen).to(dtype)
     vc = torch.randn(S, Hkv, D, generator=gen).to(dtype)
     q = (torch.randn(1, H, D, generator=gen) * 2).to(dtype)

@@ -1,7 +1,8 @@
 // Paged attention for few queries per sequence (decode and tree verification) on the CPU.
 //
-// Every query (token t, head h) walks its sequence's keys straight through the block-table
-// slots (no gathered copy), with an online softmax in float32: one pass over K and V.
+// Every query (token t, head h) walks its visible keys straight through the block-table slots
+// (no gathered copy), with an online softmax in float32: one pass over K and V, in chunks of
+// CHUNK keys that run as separate work items and are merged in order.
 // Shapes: q [T, H, D]; k_cache, v_cache [S, Hkv, D]; kv_gather [B, L] slots; kv_lens [B];
 // q_seq [T] sequence of each query; q_row [T] its row in the mask; mask [B, Q, L] bool or
 // empty (then every key < kv_len is visible). Output [T, H * D] in q's dtype.
@@ -10,6 +11,7 @@
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -23,51 +25,101 @@ using eagle_simd::load16;
 inline __m512 exp_nonpos(__m512 x) { return eagle_simd::exp_ps(x); }
 
 constexpr int KEY_BLOCK = 16;
+// A query row's visible keys are cut into chunks of this many (a multiple of KEY_BLOCK), each
+// a work item of its own, their softmax states merged in order afterwards: one decoding row's
+// KV heads are then spread over both threads, and the rows of a tree read each chunk's keys
+// right after one another (from cache). A row's chunks depend only on its visible keys, so a
+// tree node still computes what a plain step over the same keys computes.
+constexpr int64_t CHUNK = 128;
 
-// GB query heads that share one KV head (GQA), one query row, over the sequence's keys. Each
-// head is an online softmax in float32. The visible keys, in order, go in blocks of KEY_BLOCK:
-// every key's K (and then V) is converted to float32 once for the GB heads, its scores are
-// independent dot products, each head updates its running max and rescales once per block and
-// takes the block's exps in one vector. Blocks are cut from the visible keys only, so a head's
-// arithmetic depends on which keys it sees, not on the masked ones around them or on the other
-// heads: a tree node computes what a plain step over the same keys computes.
+// An online softmax's state over some keys for a group of heads: running max, denominator and
+// unnormalised value sums ([heads, D]).
+struct State {
+  float* m;
+  float* denom;
+  float* acc;
+  State at(int64_t g, int64_t D) const { return {m + g, denom + g, acc + g * D}; }
+};
+
+// Sum of each of 16 vectors' 16 lanes, in lane b for v[b]: pairwise shuffles and adds (45
+// instructions for 16 sums, against ~8 for each horizontal reduction).
+inline __m512 sum16x16(const __m512* v) {
+  __m512 w[8], x[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int j = 0; j < 4; ++j) {  // per 128-bit lane: that lane's sums of v[4j .. 4j + 3]
+    const __m512d a = _mm512_castps_pd(w[2 * j]), b = _mm512_castps_pd(w[2 * j + 1]);
+    x[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xdd));
+  const __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88), _mm512_shuffle_f32x4(x[2], x[3], 0xdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xdd));
+}
+
+// GB query heads that share one KV head (GQA), one query row, over `slots` (the row's visible
+// keys of one chunk, in order): each head's online softmax state in float32, left unnormalised
+// in `out`. Keys go in blocks of KEY_BLOCK: every key's V is converted to float32 once for the
+// GB heads, each head updates its running max and rescales once per block and takes the
+// block's exps in one vector. Scores: with DP (bfloat16 caches, D a multiple of 32) by
+// VDPBF16PS straight from the bf16 query and keys (products exact in float32, float32 sums),
+// each key's lanes summed for the whole block at once (sum16x16), then scaled; otherwise the
+// key converted to float32 and dotted with the scaled query. A head's arithmetic depends only
+// on the keys it is given, so a tree node computes what a plain step over the same keys does.
 // NV = D / 16 at compile time (registers); NV = 0: D at run time, any multiple of 16 up to 256.
-template <typename T, int NV, int GB>
-void attend_group(const T* q, const T* k_cache, const T* v_cache, const int64_t* slots, const bool* mask,
-                  int64_t L, int64_t stride, int64_t D, float scale, float* out) {
+template <typename T, int NV, int GB, bool DP>
+void attend_group(const T* q, const T* k_cache, const T* v_cache, const int64_t* slots, int64_t L, int64_t stride,
+                  int64_t D, float scale, State out) {
   constexpr int NVA = NV > 0 ? NV : 16;
+  constexpr int NB = DP ? NV / 2 : 1;  // bf16 vectors of 32 per head (DP)
   const int nv = NV > 0 ? NV : static_cast<int>(D / 16);
   __m512 qv[GB][NVA], acc[GB][NVA], kv[NVA];
+  __m512bh qb[GB][NB];
+  __m512 part[GB][KEY_BLOCK];  // DP: each key's partial lanes
   float m[GB], denom[GB];
   alignas(64) float sc[GB][KEY_BLOCK];
   alignas(64) float pr[GB][KEY_BLOCK];
-  int64_t vis[KEY_BLOCK];
   for (int g = 0; g < GB; ++g) {
     m[g] = -INFINITY;
     denom[g] = 0.f;
     for (int i = 0; i < nv; ++i) {
-      qv[g][i] = _mm512_mul_ps(load16(q + g * D + 16 * i), _mm512_set1_ps(scale));
+      if constexpr (!DP) qv[g][i] = _mm512_mul_ps(load16(q + g * D + 16 * i), _mm512_set1_ps(scale));
       acc[g][i] = _mm512_setzero_ps();
     }
+    if constexpr (DP)
+      for (int i = 0; i < NB; ++i) qb[g][i] = (__m512bh)_mm512_loadu_si512(q + g * D + 32 * i);
   }
-  int64_t j = 0;
-  while (j < L) {
-    int n = 0;
-    for (; j < L && n < KEY_BLOCK; ++j)
-      if (!mask || mask[j]) vis[n++] = slots[j];
-    if (n == 0) break;
+  for (int64_t j = 0; j < L; j += KEY_BLOCK) {
+    const int n = static_cast<int>(std::min<int64_t>(KEY_BLOCK, L - j));
+    const int64_t* vis = slots + j;
     for (int b = 0; b < n; ++b) {
       const T* k = k_cache + vis[b] * stride;
-      for (int i = 0; i < nv; ++i) kv[i] = load16(k + 16 * i);
-      for (int g = 0; g < GB; ++g) {
-        __m512 s = _mm512_mul_ps(qv[g][0], kv[0]);
-        for (int i = 1; i < nv; ++i) s = _mm512_fmadd_ps(qv[g][i], kv[i], s);
-        sc[g][b] = _mm512_reduce_add_ps(s);
+      if constexpr (DP) {
+        __m512bh kb[NB];
+        for (int i = 0; i < NB; ++i) kb[i] = (__m512bh)_mm512_loadu_si512(k + 32 * i);
+        for (int g = 0; g < GB; ++g) {
+          __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[g][0], kb[0]);
+          for (int i = 1; i < NB; ++i) s = _mm512_dpbf16_ps(s, qb[g][i], kb[i]);
+          part[g][b] = s;
+        }
+      } else {
+        for (int i = 0; i < nv; ++i) kv[i] = load16(k + 16 * i);
+        for (int g = 0; g < GB; ++g) {
+          __m512 s = _mm512_mul_ps(qv[g][0], kv[0]);
+          for (int i = 1; i < nv; ++i) s = _mm512_fmadd_ps(qv[g][i], kv[i], s);
+          sc[g][b] = _mm512_reduce_add_ps(s);
+        }
       }
     }
     const __mmask16 live = n == KEY_BLOCK ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
     for (int g = 0; g < GB; ++g) {
-      const __m512 s = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, sc[g]);
+      __m512 s;
+      if constexpr (DP) {
+        for (int b = n; b < KEY_BLOCK; ++b) part[g][b] = _mm512_setzero_ps();
+        s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live,
+                               _mm512_mul_ps(sum16x16(part[g]), _mm512_set1_ps(scale)));
+      } else {
+        s = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, sc[g]);
+      }
       const float bmax = _mm512_reduce_max_ps(s);
       if (bmax > m[g]) {  // rescale what has been accumulated so far
         const float c = std::exp(m[g] - bmax);
@@ -89,25 +141,33 @@ void attend_group(const T* q, const T* k_cache, const T* v_cache, const int64_t*
     }
   }
   for (int g = 0; g < GB; ++g) {
-    const float inv = denom[g] > 0.f ? 1.f / denom[g] : 0.f;
-    for (int i = 0; i < nv; ++i) _mm512_storeu_ps(out + g * D + 16 * i, _mm512_mul_ps(acc[g][i], _mm512_set1_ps(inv)));
+    out.m[g] = m[g];
+    out.denom[g] = denom[g];
+    for (int i = 0; i < nv; ++i) _mm512_storeu_ps(out.acc + g * D + 16 * i, acc[g][i]);
   }
+}
+
+template <typename T, int NV, int GB>
+inline void group(const T* q, const T* k_cache, const T* v_cache, const int64_t* slots, int64_t L, int64_t stride,
+                  int64_t D, float scale, State out) {
+  constexpr bool dp = std::is_same_v<T, at::BFloat16> && NV > 0 && NV % 2 == 0;
+  attend_group<T, NV, GB, dp>(q, k_cache, v_cache, slots, L, stride, D, scale, out);
 }
 
 // All G heads of one KV head, in groups of up to MAXG (registers: q and accumulators per head).
 template <typename T, int NV>
-void attend_heads(int64_t G, const T* q, const T* k_cache, const T* v_cache, const int64_t* slots, const bool* mask,
-                  int64_t L, int64_t stride, int64_t D, float scale, float* out) {
+void attend_heads(int64_t G, const T* q, const T* k_cache, const T* v_cache, const int64_t* slots, int64_t L,
+                  int64_t stride, int64_t D, float scale, State out) {
   constexpr int MAXG = NV == 0 ? 1 : NV <= 4 ? 4 : 2;
   for (int64_t g0 = 0; g0 < G; g0 += MAXG) {
     const int64_t gb = std::min<int64_t>(MAXG, G - g0);
     const T* qg = q + g0 * D;
-    float* og = out + g0 * D;
+    const State og = out.at(g0, D);
     switch (gb) {
-      case 1: attend_group<T, NV, 1>(qg, k_cache, v_cache, slots, mask, L, stride, D, scale, og); break;
-      case 2: attend_group<T, NV, MAXG >= 2 ? 2 : 1>(qg, k_cache, v_cache, slots, mask, L, stride, D, scale, og); break;
-      case 3: attend_group<T, NV, MAXG >= 3 ? 3 : 1>(qg, k_cache, v_cache, slots, mask, L, stride, D, scale, og); break;
-      default: attend_group<T, NV, MAXG>(qg, k_cache, v_cache, slots, mask, L, stride, D, scale, og); break;
+      case 1: group<T, NV, 1>(qg, k_cache, v_cache, slots, L, stride, D, scale, og); break;
+      case 2: group<T, NV, MAXG >= 2 ? 2 : 1>(qg, k_cache, v_cache, slots, L, stride, D, scale, og); break;
+      case 3: group<T, NV, MAXG >= 3 ? 3 : 1>(qg, k_cache, v_cache, slots, L, stride, D, scale, og); break;
+      default: group<T, NV, MAXG>(qg, k_cache, v_cache, slots, L, stride, D, scale, og); break;
     }
   }
 }
@@ -129,15 +189,89 @@ void run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& v
   T* op = out.data_ptr<T>();
   const auto heads = D == 32 ? attend_heads<T, 2> : D == 64 ? attend_heads<T, 4> : D == 128 ? attend_heads<T, 8>
                                                                                           : attend_heads<T, 0>;
-  // one work item per (query row, KV head): its G query heads share every key's conversion
-  at::parallel_for(0, T_ * Hkv, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> buf(G * D);
+  // each row's visible keys' slots, in order (without a mask: its sequence's first kv_len)
+  std::vector<const int64_t*> row_slots(T_);
+  std::vector<int64_t> row_len(T_), visible;
+  if (mp) {
+    visible.reserve(T_ * L);
+    std::vector<int64_t> start(T_);
+    for (int64_t t = 0; t < T_; ++t) {
+      const bool* mrow = mp + (sp[t] * Q + rp[t]) * L;
+      const int64_t* g = gp + sp[t] * L;
+      start[t] = static_cast<int64_t>(visible.size());
+      for (int64_t j = 0; j < L; ++j)
+        if (mrow[j]) visible.push_back(g[j]);
+      row_len[t] = static_cast<int64_t>(visible.size()) - start[t];
+    }
+    for (int64_t t = 0; t < T_; ++t) row_slots[t] = visible.data() + start[t];
+  } else {
+    for (int64_t t = 0; t < T_; ++t) {
+      row_slots[t] = gp + sp[t] * L;
+      row_len[t] = lp[sp[t]];
+    }
+  }
+  // work items (row, KV head, chunk), ordered so the rows of one sequence take a chunk's keys
+  // one after another; item_of[(t * Hkv + kvh) * max_chunks + c] is where its state goes
+  std::vector<int64_t> chunks(T_);
+  int64_t max_chunks = 1;
+  for (int64_t t = 0; t < T_; ++t) {
+    chunks[t] = std::max<int64_t>(1, (row_len[t] + CHUNK - 1) / CHUNK);
+    max_chunks = std::max(max_chunks, chunks[t]);
+  }
+  std::vector<int64_t> order(T_);
+  for (int64_t t = 0; t < T_; ++t) order[t] = t;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return sp[a] < sp[b]; });
+  struct Item { int64_t t, kvh, c; };
+  std::vector<Item> items;
+  std::vector<int64_t> item_of(T_ * Hkv * max_chunks, -1);
+  for (int64_t i0 = 0; i0 < T_;) {  // rows [i0, i1) of `order` share a sequence
+    int64_t i1 = i0;
+    int64_t most = 0;
+    while (i1 < T_ && sp[order[i1]] == sp[order[i0]]) most = std::max(most, chunks[order[i1++]]);
+    for (int64_t kvh = 0; kvh < Hkv; ++kvh)
+      for (int64_t c = 0; c < most; ++c)
+        for (int64_t i = i0; i < i1; ++i)
+          if (c < chunks[order[i]]) {
+            item_of[(order[i] * Hkv + kvh) * max_chunks + c] = static_cast<int64_t>(items.size());
+            items.push_back({order[i], kvh, c});
+          }
+    i0 = i1;
+  }
+  const int64_t width = 2 * G + G * D;  // one item's state: m [G], denom [G], acc [G, D]
+  std::vector<float> states(items.size() * width);
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t t = i / Hkv, kvh = i % Hkv, b = sp[t], h0 = kvh * G;
-      const bool* mrow = mp ? mp + (b * Q + rp[t]) * L : nullptr;
-      heads(G, qp + (t * H + h0) * D, kp + kvh * D, vp + kvh * D, gp + b * L, mrow, mp ? L : lp[b], Hkv * D, D,
-            static_cast<float>(scale), buf.data());
-      for (int64_t d = 0; d < G * D; ++d) op[(t * H + h0) * D + d] = static_cast<T>(buf[d]);
+      const Item it = items[i];
+      const int64_t first = it.c * CHUNK, n = std::min<int64_t>(CHUNK, row_len[it.t] - first);
+      float* st = states.data() + i * width;
+      heads(G, qp + (it.t * H + it.kvh * G) * D, kp + it.kvh * D, vp + it.kvh * D, row_slots[it.t] + first,
+            std::max<int64_t>(n, 0), Hkv * D, D, static_cast<float>(scale), State{st, st + G, st + 2 * G});
+    }
+  });
+  // merge each (row, KV head)'s chunks in order and normalise
+  at::parallel_for(0, T_ * Hkv, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> acc(G * D);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i / Hkv, kvh = i % Hkv, h0 = kvh * G;
+      const int64_t* idx = item_of.data() + i * max_chunks;
+      const float* first = states.data() + idx[0] * width;
+      for (int64_t g = 0; g < G; ++g) {
+        float m = first[g];
+        for (int64_t c = 1; c < chunks[t]; ++c) m = std::max(m, states[idx[c] * width + g]);
+        float denom = 0.f;
+        float* a = acc.data() + g * D;
+        std::fill(a, a + D, 0.f);
+        for (int64_t c = 0; c < chunks[t]; ++c) {
+          const float* st = states.data() + idx[c] * width;
+          const float w = chunks[t] == 1 ? 1.f : (st[g] == -INFINITY ? 0.f : std::exp(st[g] - m));
+          denom += w * st[G + g];
+          const float* sa = st + 2 * G + g * D;
+          if (chunks[t] == 1) std::copy(sa, sa + D, a);
+          else for (int64_t d = 0; d < D; ++d) a[d] += w * sa[d];
+        }
+        const float inv = denom > 0.f ? 1.f / denom : 0.f;
+        for (int64_t d = 0; d < D; ++d) op[(t * H + h0 + g) * D + d] = static_cast<T>(a[d] * inv);
+      }
     }
   });
 }
