@@ -61,6 +61,10 @@ def base_module(rev: str):
     for path, text in zip(paths, (src, BINDING)):
         with open(path, "w") as f:
             f.write(text)
+    header = subprocess.run(["git", "-C", ROOT, "show", f"{rev}:engine/kernels/simd.h"], capture_output=True, text=True)
+    if header.returncode == 0:  # the shared AVX-512 helpers, where the revision has them
+        with open(os.path.join(d, "simd.h"), "w") as f:
+            f.write(header.stdout)
     from torch.utils.cpp_extension import load
     return load("eagle_serve_attention_base", paths, extra_cflags=kernels.FLAGS, verbose=False,
                 build_directory=d)
