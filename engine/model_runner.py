@@ -213,10 +213,9 @@ class ModelRunner:
                       s.tree_depth if s.tree_depth is not None
                       else self.spec.max_depth if s.tree_tokens is None else s.tree_tokens - 1) for s in steps]
         decoding = [i for i, s in enumerate(steps) if len(s.token_ids) == 1 and s.num_cached > 0 and depths[i] > 0]
-        idle = [s for i, s in enumerate(steps)
-                if len(s.token_ids) == 1 and s.num_cached > 0 and depths[i] <= 0 and s.head_sync]
-        if idle:
-            self.drafter.sync(idle)
+        idle = [s for i, s in enumerate(steps) if len(s.token_ids) == 1 and s.num_cached > 0 and depths[i] <= 0]
+        if idle:  # called even when every one is retired: the drafter counts rounds without a draft
+            self.drafter.sync([s for s in idle if s.head_sync])
         if decoding:
             proposed = self.drafter.propose([steps[i] for i in decoding], [depths[i] for i in decoding])
             for i, tree in zip(decoding, proposed):

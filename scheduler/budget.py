@@ -313,7 +313,8 @@ class TreeBudget:
         n = max_tree_tokens - 1
         self.prior = [(chain[:d] + (0.0,) * n)[:n] if max_depth else (chain + (0.0,) * n)[:n]
                       for d in range(1, (max_depth or 1) + 1)]
-        self._search: dict[tuple[int, int], tuple] = {}  # (seqs, prefill) -> (round, best, plain)
+        # (sequences, of them drafting, prefill) -> (round, best, plain, best tree whatever its rate)
+        self._search: dict[tuple[int, int, int], tuple] = {}
         self.last_choice: list[int] = []
         self.last_depths: list[int | None] = []
         self.last_modelled: tuple[float, float] = (0.0, 0.0)  # (chosen, plain) tokens per second
@@ -333,7 +334,7 @@ class TreeBudget:
         # seconds a catch-up forward takes per pending pair (running; None before the first)
         self.catchup_rate: float | None = None
         self.last_sync: list[bool] = []  # per decoding sequence of the last choice: keep its head in step
-        self.retired = 0  # sequence-rounds left plain because their backlog would not pay back
+        self.retired = 0  # sequence-rounds left plain because their backlog would not pay back (not at their last token)
         self.spec_rounds = 0  # rounds that drafted (the choice, its probes and explorations)
         # this round's (sequences, prefill, kind, probe)
         self._pending: tuple[int, int, str, bool] | None = None
@@ -515,7 +516,7 @@ class TreeBudget:
         drafted every sequence and paid each one's backlog (2.30 s off against 2.58 s on over
         2-7 sequences: bench/results/round_overhead_c8_s25.json)."""
         n = len(confidences)
-        retired = [False] * n if any(confidences) else self._retire(caps, backlogs, remaining)
+        retired = [False] * n if any(confidences) else self._retire(caps, backlogs, remaining, prefill_tokens)
         if any(retired):
             caps = [1 if r else c for c, r in zip(caps, retired)]
         if prefill_tokens and not self.spec_with_prefill:
@@ -578,24 +579,40 @@ class TreeBudget:
         self.costs = costs
         self._search.clear()
 
-    def _retire(self, caps: list[int], backlogs: list[int] | None, remaining: list[int] | None) -> list[bool]:
+    def _retire(self, caps: list[int], backlogs: list[int] | None, remaining: list[int] | None,
+                prefill: int = 0) -> list[bool]:
         """Sequences whose backlog of head pairs costs more to consume than drafting could
         save them over their remaining tokens (see `choose`); none before a catch-up was timed.
         Judged in every round, prefill rounds too (they decode plainly, but the drafter's sync
         would still consume a kept sequence's backlog), at the saving of decode rounds of this
-        batch size; none where the measured guard holds speculation off (the model alone kept
-        sequences in step at 8 clients, with syncs of over a thousand pairs)."""
+        batch size. Where the measured guard holds speculation off, drafting saves nothing, so
+        every sequence with a backlog is retired (the model alone kept sequences in step at 8
+        clients, with syncs of over a thousand pairs), except in a round where a probe is due
+        (the guard's or the model's): a probe pays its sequences' backlogs by design, or a
+        verdict could never be measured again. A sequence at its last token is always retired
+        (nothing left to save); `retired` counts the others."""
         n = len(caps)
         if backlogs is None or remaining is None or self.catchup_rate is None:
             return [False] * n
+        last = [b > 0 and c <= 1 for c, b in zip(caps, backlogs)]
+        if self._probe_due(n, prefill):
+            return last
         m = sum(1 for c in caps if c > 1)
         _, plain, spec_best = self._searched(n, m, 0)
-        # where the measured guard holds speculation off, drafting saves nothing at this size
         saving = 1.0 / plain - 1.0 / spec_best[0] if spec_best[0] > plain > 0 and not self._guard(n)[0] else 0.0
-        # a sequence capped at one token this round emits its last one: nothing left to save
-        out = [b > 0 and (c <= 1 or self.catchup_rate * b > saving * r) for c, b, r in zip(caps, backlogs, remaining)]
-        self.retired += sum(out)
+        out = [x or (b > 0 and self.catchup_rate * b > saving * r) for x, b, r in zip(last, backlogs, remaining)]
+        self.retired += sum(o and not x for o, x in zip(out, last))
         return out
+
+    def _probe_due(self, n: int, prefill: int) -> bool:
+        """Whether this round (the next at batch size n) is one where `choose` may probe
+        speculation: the guard's (its own verdict says plain) or the model's (small batches)."""
+        at_n = self._guard_rounds.get(n, 0) + 1
+        plain_wins, inherited = self._guard(n)
+        if plain_wins and not inherited and at_n % self._probe_every(n) == 0:
+            return True
+        return bool(self.model_probe_every and not prefill and n <= self.model_probe_max_seqs
+                    and at_n % self.model_probe_every == 0)
 
     def _min_gain(self, n: int) -> float:
         """The modelled gain a tree must show over plain decoding at n decoding sequences."""
@@ -650,7 +667,8 @@ class TreeBudget:
         """Every sequence expects the prior: the best round gives each the same tree (or one
         node more for some), drafted to one common depth. Searched over depth x tree size,
         then over the sequences that take one node more around the best size; the search is
-        redone every `research_every` rounds per (batch size, prefill tokens), the prior and
+        redone every `research_every` rounds per (batch size, sequences that may draft, prefill
+        tokens), the prior and
         costs moving slowly (at 8 sequences it was ~2% of a round done every round). probe: the
         best tree even where it models below plain (see model_probe_every)."""
         n = len(caps)

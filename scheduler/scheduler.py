@@ -152,8 +152,7 @@ class Scheduler:
         else:
             # no per-sequence confidences: the budget's running prior predicts a round better
             # than the sequence's own last round does
-            remaining = [max(1, min(s.params.max_tokens - len(s.output_token_ids),
-                                    self.config.max_model_len - s.num_tokens)) for s in decoding]
+            remaining = [self.tokens_left(s) for s in decoding]
             sizes = self.budget.choose([()] * len(decoding), caps, prefill,
                                        backlogs=[s.head_backlog for s in decoding], remaining=remaining)
             depths = getattr(self.budget, "last_depths", None) or [None] * len(decoding)
@@ -187,9 +186,11 @@ class Scheduler:
 
     def max_new_tokens(self, seq: Sequence) -> int:
         """Tokens a step may emit without passing max_tokens or the context (>= 1)."""
-        left = min(seq.params.max_tokens - len(seq.output_token_ids),
-                   self.config.max_model_len - seq.num_tokens)
-        return max(1, min(left, self.spec_tokens))
+        return min(self.tokens_left(seq), self.spec_tokens)
+
+    def tokens_left(self, seq: Sequence) -> int:
+        """Tokens the sequence may still emit before max_tokens or the context (>= 1)."""
+        return max(1, min(seq.params.max_tokens - len(seq.output_token_ids), self.config.max_model_len - seq.num_tokens))
 
     def update(self, seqs: list[Sequence], results: list[SeqResult]) -> None:
         """Commit the fed tokens and the accepted drafts, append the emitted tokens one by one

@@ -86,6 +86,27 @@ def test_native_paged_attention_matches_torch_backend(dtype, tol):
 
 
 @pytest.mark.skipif(native is None, reason="no AVX-512 bf16 CPU or no compiler")
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_native_paged_attention_long_contexts_match_torch_backend(dtype, tol):
+    """Rows whose keys span different numbers of chunks (128 keys each) in one batch: a tree over
+    290 committed keys, a decode over 130, one over 40, and a decode row of 257 (the kernel's
+    work items are per row, KV head and chunk, ordered by sequence, then merged)."""
+    from engine.attention import NativeCPUAttention, TorchAttention
+    from engine.forward_batch import SeqSpan, build_forward_batch
+    from engine.spec.tree import from_paths
+    gen = torch.Generator().manual_seed(3)
+    kv_a, kv_b, blocks = _twin_caches(240, dtype, gen)
+    tree = from_paths(1, [[2, 3], [2, 4], [5]])
+    spans = [SeqSpan([7], 130, blocks[:34]), SeqSpan(tree.tokens, 290, blocks[34:110], tree_mask=tree.ancestor_mask()),
+             SeqSpan([9], 40, blocks[110:121]), SeqSpan([4], 256, blocks[121:186])]
+    batch = build_forward_batch(spans, BS, torch.device("cpu"))
+    q, k, v = _qkv(batch.input_ids.shape[0], dtype, gen)
+    want = TorchAttention(D ** -0.5).forward(q, k, v, 0, batch, kv_a).float()
+    got = NativeCPUAttention(D ** -0.5, native).forward(q, k, v, 0, batch, kv_b).float()
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(native is None, reason="no AVX-512 bf16 CPU or no compiler")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [1, 15, 16, 37, 300])  # 300: several key chunks (CHUNK 128), merged
 # head dims with compiled register layouts (32, 64, 128) and the run-time one (48); 1-8 query

@@ -822,7 +822,7 @@ def test_budget_retires_a_sequence_whose_backlog_would_not_pay_back():
     assert b.catchup_rate == pytest.approx(5e-5)
     b.observe_round(3, [], 0.01, catchup=0.001, catchup_pairs=4)  # too few pairs to time the rate
     assert b.catchup_rate == pytest.approx(5e-5)
-    # 5000 pairs cost 0.25 s; drafting saves ~3 ms a token here: not over 10 tokens, over 10^4 yes
+    # 5000 pairs cost 0.25 s; drafting saves ~2 ms a token here: not over 10 tokens, over 10^4 yes
     sizes = b.choose([()] * 3, [8] * 3, backlogs=[5000, 2, 5000], remaining=[10, 10, 10 ** 4])
     assert sizes[0] == 1 and sizes[1] > 1 and sizes[2] > 1
     assert b.last_sync == [False, True, True] and b.last_depths[0] is None and b.retired == 1
@@ -837,6 +837,25 @@ def test_budget_retires_a_sequence_whose_backlog_would_not_pay_back():
     # every sequence retired: plain decoding, and nothing asks the head to keep in step
     assert b.choose([()] * 2, [8] * 2, backlogs=[5000, 5000], remaining=[10, 10]) == [1, 1]
     assert b.last_sync == [False, False]
+
+
+def test_retirement_under_the_guard_leaves_its_probes_alone():
+    """Where the measured guard holds speculation off, drafting saves nothing and every sequence
+    with a backlog is retired, but a round where the guard's probe is due drafts (and pays the
+    backlogs), or the verdict could never be measured again."""
+    costs = CostModel([(1, 0.010), (64, 0.0105)], [(1, 0.005), (8, 0.013)], [(1, 0.0005), (8, 0.001)], depth=4)
+    b = TreeBudget(costs, 8, max_depth=4, explore_every=0, cost_rate=0, ema=1.0, research_every=1,
+                   guard_probe=4, model_probe_every=0)
+    b.observe((0.9, 0.8, 0.05), 4, 2, (1, 1, 2), drafted_depth=2)
+    b.catchup_rate = 5e-5
+    b.measured[3] = {"plain": [1000.0, 50, 1.0, 0], "spec": [500.0, 50, 1.0, 0]}  # speculation measured slower
+    assert b.guard_says_plain(3)
+    rounds = [(b.choose([()] * 3, [8] * 3, backlogs=[40, 40, 40], remaining=[100] * 3), b.last_sync)
+              for _ in range(8)]
+    drafted = [i for i, (sizes, _) in enumerate(rounds) if max(sizes) > 1]
+    assert drafted == [3, 7]  # the guard's probes, every 4th round at this size
+    assert all(sync == [False] * 3 for i, (_, sync) in enumerate(rounds) if i not in drafted)
+    assert b.retired == 18
 
 
 class AlternatingBudget:

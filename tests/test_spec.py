@@ -148,16 +148,18 @@ def test_pending_pairs_reach_the_head_whatever_the_rounds_and_batches(tiny_llama
 @pytest.mark.parametrize("consumed", [False, True], ids=["prefix-pairs-pending", "prefix-pairs-consumed"])
 def test_a_prefix_cache_hit_drafts_as_if_the_prefix_were_computed(tiny_llama, head_dir, consumed):
     """Sequence B hits the prefix cache on A's first two blocks. Whether A's head consumed the
-    prefix's pairs (its head KV there written, the last position paired with A's own next
-    token) or not (A decoded plainly: the head's KV there is whatever the slots held before),
-    B's first-level draft equals the head run along B alone."""
+    prefix's pairs (its head KV there written) or not (A decoded plainly: the head's KV there is
+    whatever the slots held before, so B consumes them itself), B's first-level draft equals
+    the head run along B alone; where A wrote them, B leaves A's head KV as it was."""
     from engine.step_io import SeqStep
     llm = LLM(tiny_llama[0], draft=head_dir, spec=SpecConfig("eagle2", total_tokens=4, depth=1, top_k=3), **KW)
     drafter, target = llm.runner.drafter, llm.runner.model
     rng = random.Random(11)
     shared = [rng.randrange(3, 300) for _ in range(8)]  # two blocks of 4
     a = shared + [5, 6, 7, 8, 9, 10]
-    b = shared + [rng.randrange(11, 300) for _ in range(5)]  # differs from A right after the prefix
+    # pending: B differs from A right after the prefix; consumed: B shares the token after it
+    # (the last prefix position's pair in the shared block is A's), then differs
+    b = shared + ([5] if consumed else []) + [rng.randrange(11, 300) for _ in range(5)]
     tables = {0: [40, 3, 17, 5], 1: [40, 3, 22, 9]}
     seqs = {0: a, 1: b}
     with torch.inference_mode():
@@ -175,6 +177,8 @@ def test_a_prefix_cache_hit_drafts_as_if_the_prefix_were_computed(tiny_llama, he
         drafter.propose([step(0, len(a) - 1)], [1])
     else:  # stale head KV in the slots A never wrote
         drafter.kv.data.normal_(0.0, 3.0, generator=torch.Generator().manual_seed(0))
+    shared_slots = [40 * 4 + i for i in range(4)] + [3 * 4 + i for i in range(4)]
+    before = drafter.kv.data[:, :, shared_slots].clone()
     grown = []
     original = drafter._tree
     drafter._tree = lambda root, g, total: (grown.append(g), original(root, g, total))[1]
@@ -185,6 +189,7 @@ def test_a_prefix_cache_hit_drafts_as_if_the_prefix_were_computed(tiny_llama, he
     for c in range(3):
         ref = sequential_score(drafter.head, target, drafter, b, feats[1], [grown[0].cands.tokens[c]])
         assert abs(ref - grown[0].cands.scores[c]) < 1e-9
+    assert torch.equal(drafter.kv.data[:, :, shared_slots], before) == consumed  # written by B only if A had not
 
 
 def test_kv_budget_on_the_cpu_counts_the_heads_kv_and_feature_cache(tiny_llama, head_dir, monkeypatch):

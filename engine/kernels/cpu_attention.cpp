@@ -193,17 +193,23 @@ void run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& v
   std::vector<const int64_t*> row_slots(T_);
   std::vector<int64_t> row_len(T_), visible;
   if (mp) {
-    visible.reserve(T_ * L);
-    std::vector<int64_t> start(T_);
+    visible.resize(T_ * L + 8);  // + 8: the last full store of a compress may run past the end
+    int64_t* dst = visible.data();
     for (int64_t t = 0; t < T_; ++t) {
       const bool* mrow = mp + (sp[t] * Q + rp[t]) * L;
       const int64_t* g = gp + sp[t] * L;
-      start[t] = static_cast<int64_t>(visible.size());
-      for (int64_t j = 0; j < L; ++j)
-        if (mrow[j]) visible.push_back(g[j]);
-      row_len[t] = static_cast<int64_t>(visible.size()) - start[t];
+      row_slots[t] = dst;
+      int64_t j = 0;
+      for (; j + 8 <= L; j += 8) {  // 8 mask bytes -> the visible ones of 8 slots, packed
+        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mrow + j));
+        const __mmask8 keep = static_cast<__mmask8>(_mm_test_epi8_mask(bytes, bytes));
+        _mm512_storeu_si512(dst, _mm512_maskz_compress_epi64(keep, _mm512_loadu_si512(g + j)));
+        dst += __builtin_popcount(keep);
+      }
+      for (; j < L; ++j)
+        if (mrow[j]) *dst++ = g[j];
+      row_len[t] = dst - row_slots[t];
     }
-    for (int64_t t = 0; t < T_; ++t) row_slots[t] = visible.data() + start[t];
   } else {
     for (int64_t t = 0; t < T_; ++t) {
       row_slots[t] = gp + sp[t] * L;

@@ -40,7 +40,8 @@ class Drafter(abc.ABC):
         return 0
 
     def sync(self, steps: list[SeqStep]) -> None:
-        """Bring state up to date for decoding sequences that draft nothing this round."""
+        """Bring state up to date for decoding sequences that draft nothing this round (called
+        every round with any such sequence; `steps` holds those the budget keeps in step)."""
 
     def confidence(self, seq_id: int) -> tuple[tuple[float, ...], tuple[int, ...]]:
         """The last proposed tree's node confidences (estimated P(path accepted)), best first,

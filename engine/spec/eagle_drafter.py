@@ -112,19 +112,18 @@ class EagleDrafter(Drafter):
     def _reset(self, step: SeqStep) -> HeadState:
         """A sequence's head state at admission. Positions before num_cached came with a
         prefix-cache hit: their target KV and features sit in the shared blocks, but the head's
-        KV there is only written once the sequence that computed them consumed their pairs (one
-        that decoded plainly and finished never did), and the last one's pairs that position
-        with the token after it, which may be this sequence's own. So the pairs from the first
-        unwritten position on, and the last position's in any case, are pending again: their
-        features are read from the feature cache, their tokens from the history."""
+        KV there is only written once a sequence consumed their pairs (one that decoded plainly
+        and finished never did). So the pairs from the first unwritten position on are pending
+        again: their features are read from the feature cache, their tokens from the history.
+        Written slots are never rewritten: another sequence may hold them. The last shared
+        position's pair may therefore carry the next token of the sequence that wrote it (one
+        position of the head's input; the draft is only ever a proposal)."""
         n = step.num_cached
         if n <= 0:
             return HeadState()
         slots = self._slots(step.block_table, 0, n)
-        start = next((p for p, x in enumerate(slots) if not self.head_written[x]), n - 1)
-        start = min(start, n - 1)
-        history = step.history
-        return HeadState(draft_len=start, tokens=list(history[start + 1:n + 1]))
+        start = next((p for p, x in enumerate(slots) if not self.head_written[x]), n)
+        return HeadState(draft_len=start, tokens=list(step.history[start + 1:n + 1]))
 
     def _slots(self, block_table: list[int], start: int, n: int) -> list[int]:
         bs = self.block_size
@@ -177,7 +176,8 @@ class EagleDrafter(Drafter):
     @torch.inference_mode()
     def sync(self, steps: list[SeqStep]) -> None:
         """Consume the pending pairs of sequences that do not draft this round once SYNC_BACKLOG
-        have piled up, while the engine drafts at all. Without it a sequence the tree budget
+        have piled up, while the engine drafts at all (`steps`: those the tree budget keeps in
+        step, possibly none; a sequence it retired is left out, see TreeBudget.choose). Without it a sequence the tree budget
         leaves undrafted for a while piles up pairs, and the round that drafts it again pays for
         the whole backlog at once (a prefill-sized head forward); syncing every round instead
         costs a head forward per token (~12% of a plain step at one sequence). The catch-up
