@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -187,16 +187,16 @@ class ModelRunner:
                     nxt = s.history[s.num_cached + len(s.token_ids)]
                     observed.append((s, s.token_ids[1:] + [nxt], s.restart))
                     feature_rows.extend(range(offsets[i], offsets[i + 1]))
-        results, k = [], 0
+        fields, k = [], 0
         for i in sampled:
             n = len(trees[i])
-            results.append(self._accept(steps[i], trees[i], chosen[k:k + n], logprobs[k:k + n], roots[i],
-                                        drafted[i], observed, feature_rows))
+            fields.append(self._accept(steps[i], trees[i], chosen[k:k + n], logprobs[k:k + n], roots[i],
+                                       drafted[i], observed, feature_rows))
             k += n
         if observed:
             self.drafter.observe_many(observed, hidden[torch.tensor(feature_rows, dtype=torch.long, device=self.device)])
-            backlog = self.drafter.backlog
-            results = [replace(r, head_backlog=backlog(r.seq_id)) for r in results]
+        backlog = self.drafter.backlog  # after this round's pairs went in
+        results = [SeqResult(*f, head_backlog=backlog(f[0])) for f in fields]
         self.timings.add(draft=t1 - t0, verify=t2 - t1, accept=time.perf_counter() - t2)
         return results
 
@@ -231,9 +231,11 @@ class ModelRunner:
                        positions=[step.num_cached + d for d in tree.depths], tree_mask=tree.ancestor_mask())
 
     def _accept(self, step: SeqStep, tree: DraftTree, chosen: list[int], logprobs: list, root_row: int,
-                drafted_depth: int, observed: list, feature_rows: list[int]) -> SeqResult:
+                drafted_depth: int, observed: list, feature_rows: list[int]) -> tuple:
         """Walk the tree, compact the accepted nodes' KV; what the head is to observe goes on
-        `observed` / `feature_rows` (execute hands them over for the whole round at once)."""
+        `observed` / `feature_rows` (execute hands them over for the whole round at once).
+        Returns the step's SeqResult fields but the head's backlog, in order (execute builds
+        the result once the round's pairs are in)."""
         verdict = walk(tree, chosen)
         path = [0] + verdict.accepted_nodes
         root_pos = step.num_cached + len(step.token_ids) - 1
@@ -248,9 +250,8 @@ class ModelRunner:
                 observed.append((step, verdict.tokens, step.restart))
         lps = [logprobs[n] for n in path] if step.params.logprobs is not None else None
         conf, conf_depths = self.drafter.confidence(step.seq_id) if len(tree) > 1 else ((), ())
-        return SeqResult(step.seq_id, verdict.tokens, lps, num_draft_tokens=len(tree) - 1,
-                         accepted_per_depth=(1,) * len(verdict.accepted_nodes),
-                         draft_confidence=conf, draft_depths=conf_depths, draft_depth=drafted_depth)
+        return (step.seq_id, verdict.tokens, lps, len(tree) - 1, (1,) * len(verdict.accepted_nodes), conf,
+                conf_depths, drafted_depth)
 
     def _compact(self, block_table: list[int], root_pos: int, nodes: list[int]) -> None:
         """Move accepted nodes' KV from their scratch positions to root_pos + 1, + 2, ..."""

@@ -94,12 +94,16 @@ class EagleDrafter(Drafter):
     def observe_many(self, items: list[tuple[SeqStep, list[int], bool]], features: torch.Tensor) -> None:
         """observe() for several sequences' (step, tokens, reset) at once, `features` their rows
         in order: one write into the feature cache."""
-        slots = []
+        slots, bs = [], self.block_size
         for step, tokens, reset in items:
             state = self.states.get(step.seq_id)
             if reset or state is None:
                 self.states[step.seq_id] = state = self._reset(step)
-            slots.extend(self._slots(step.block_table, state.draft_len + len(state.tokens), len(tokens)))
+            start = state.draft_len + len(state.tokens)
+            if len(tokens) == 1:  # a plain step's one pair (most of them)
+                slots.append(step.block_table[start // bs] * bs + start % bs)
+            else:
+                slots.extend(self._slots(step.block_table, start, len(tokens)))
             state.tokens.extend(tokens)
         if len(slots) != features.shape[0]:
             raise ValueError(f"{len(slots)} observed tokens with {features.shape[0]} feature rows")
