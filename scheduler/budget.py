@@ -49,6 +49,16 @@ import bisect
 from collections import Counter
 from dataclasses import dataclass, field
 
+# A further draft level's learnt cost stays at or above this share of the first level's (the
+# start-up profiles put it at 0.8-1.0x: e.g. 0.64 ms for one level, 2.84 ms for five). A deep
+# round's error moves only the further levels' curve, which takes the first level's as right:
+# with the first level's learnt cost inflated by slow one-level rounds (0.39 -> 4.6 ms at one
+# sequence), deep rounds measured below the model pushed the further levels' cost to the old
+# floor (1e-6), deep trees looked as cheap as one-level ones, and the budget drafted 8 tokens 4-5
+# levels deep in 425 of 882 rounds, at 1.10x plain where the fixed 3-token tree ran 1.23x
+# (bench/results/budget_c1_s26.json). Not a floor from the profile itself: a profile taken in a
+# slow spell must be able to learn its way down.
+GROW_FLOOR = 0.25
 CATCHUP_MIN_PAIRS = 16  # catch-ups of fewer pairs do not time the per-pair cost (a forward's fixed cost dominates)
 
 
@@ -152,7 +162,9 @@ class CostModel:
                     share = t / drafted if drafted > 0 else 1.0 / len(parts)
                     # the curve's value at n counts once per level drafted by n sequences
                     uses = sum(1 for l, m in enumerate(levels, 1) if m == n and min(l, 2) == curve)
-                    _nudge(points, cache, n, rate * err * share / uses)
+                    # a further level never falls below GROW_FLOOR of the first level's cost
+                    floors = {x: GROW_FLOOR * self.level(1, x) for x, _ in points} if curve == 2 else None
+                    _nudge(points, cache, n, rate * err * share / uses, floors)
         self.observed_rounds += 1
 
     def to_json(self) -> dict:
@@ -176,12 +188,14 @@ def _memo(cache: dict[int, float], points: list[tuple[int, float]], x: int) -> f
 
 
 def _nudge(points: list[tuple[int, float]], cache: dict[int, float], x: int, delta: float,
-           floor: float = 1e-6) -> None:
+           floors: dict[int, float] | None = None) -> None:
     """Move the curve's value at x by delta (the points that interpolate it, by weight), then
-    drop the memoised values that depended on them."""
+    drop the memoised values that depended on them; `floors`: each point's lowest value by its
+    x (default 1e-6)."""
+    floor = (lambda x0: floors.get(x0, 1e-6)) if floors else (lambda x0: 1e-6)  # noqa: E731
     if len(points) == 1:
         x0, y0 = points[0]
-        points[0] = (x0, max(floor, y0 + delta * max(x0, 1) / max(x, 1)))
+        points[0] = (x0, max(floor(x0), y0 + delta * max(x0, 1) / max(x, 1)))
         cache.clear()
         return
     xs = [p[0] for p in points]
@@ -194,7 +208,7 @@ def _nudge(points: list[tuple[int, float]], cache: dict[int, float], x: int, del
         moves = [(i - 1, 1.0 - w1), (i, w1)]
     norm = sum(w * w for _, w in moves)
     for j, w in moves:
-        points[j] = (xs[j], max(floor, points[j][1] + delta * w / norm))
+        points[j] = (xs[j], max(floor(xs[j]), points[j][1] + delta * w / norm))
     lo = min(j for j, _ in moves)
     hi = max(j for j, _ in moves)
     # a point's value shapes the segments on either side; the end segments extend outwards
