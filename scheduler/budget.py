@@ -49,8 +49,9 @@ import bisect
 from collections import Counter
 from dataclasses import dataclass, field
 
-# A further draft level's learnt cost stays at or above this share of the first level's (the
-# start-up profiles put it at 0.8-1.0x: e.g. 0.64 ms for one level, 2.84 ms for five). A deep
+# A further draft level's learnt cost is floored at this share of the first level's whenever a
+# deep round moves it (the start-up profiles stored in bench/results put a further level at
+# 0.79-1.68x the first at one sequence and ~2-2.9x at 8-64, one at 0.20x). A deep
 # round's error moves only the further levels' curve, which takes the first level's as right:
 # with the first level's learnt cost inflated by slow one-level rounds (0.39 -> 4.6 ms at one
 # sequence), deep rounds measured below the model pushed the further levels' cost to the old
@@ -162,8 +163,8 @@ class CostModel:
                     share = t / drafted if drafted > 0 else 1.0 / len(parts)
                     # the curve's value at n counts once per level drafted by n sequences
                     uses = sum(1 for l, m in enumerate(levels, 1) if m == n and min(l, 2) == curve)
-                    # a further level never falls below GROW_FLOOR of the first level's cost
-                    floors = {x: GROW_FLOOR * self.level(1, x) for x, _ in points} if curve == 2 else None
+                    # a further level moved below GROW_FLOOR of the first level's cost lands there
+                    floors = {x: max(1e-6, GROW_FLOOR * self.level(1, x)) for x, _ in points} if curve == 2 else None
                     _nudge(points, cache, n, rate * err * share / uses, floors)
         self.observed_rounds += 1
 
