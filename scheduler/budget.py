@@ -50,8 +50,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 # A further draft level's learnt cost is floored at this share of the first level's whenever a
-# deep round moves it (the start-up profiles stored in bench/results put a further level at
-# 0.79-1.68x the first at one sequence and ~2-2.9x at 8-64, one at 0.20x). A deep
+# deep round moves it (the start-up profiles of budget_c1_s26.json and budget_c1_s26_growfloor.json
+# put a further level at 1.17x / 1.03x the first at one sequence, 1.95x / 2.05x at 8). A deep
 # round's error moves only the further levels' curve, which takes the first level's as right:
 # with the first level's learnt cost inflated by slow one-level rounds (0.39 -> 4.6 ms at one
 # sequence), deep rounds measured below the model pushed the further levels' cost to the old
@@ -164,8 +164,8 @@ class CostModel:
                     # the curve's value at n counts once per level drafted by n sequences
                     uses = sum(1 for l, m in enumerate(levels, 1) if m == n and min(l, 2) == curve)
                     # a further level moved below GROW_FLOOR of the first level's cost lands there
-                    floors = {x: max(1e-6, GROW_FLOOR * self.level(1, x)) for x, _ in points} if curve == 2 else None
-                    _nudge(points, cache, n, rate * err * share / uses, floors)
+                    floor = (lambda x: max(1e-6, GROW_FLOOR * self.level(1, x))) if curve == 2 else None  # noqa: E731
+                    _nudge(points, cache, n, rate * err * share / uses, floor)
         self.observed_rounds += 1
 
     def to_json(self) -> dict:
@@ -189,11 +189,11 @@ def _memo(cache: dict[int, float], points: list[tuple[int, float]], x: int) -> f
 
 
 def _nudge(points: list[tuple[int, float]], cache: dict[int, float], x: int, delta: float,
-           floors: dict[int, float] | None = None) -> None:
+           floor=None) -> None:
     """Move the curve's value at x by delta (the points that interpolate it, by weight), then
-    drop the memoised values that depended on them; `floors`: each point's lowest value by its
-    x (default 1e-6)."""
-    floor = (lambda x0: floors.get(x0, 1e-6)) if floors else (lambda x0: 1e-6)  # noqa: E731
+    drop the memoised values that depended on them; `floor(x0)`: a moved point's lowest value
+    (None: 1e-6)."""
+    floor = floor or (lambda x0: 1e-6)  # noqa: E731
     if len(points) == 1:
         x0, y0 = points[0]
         points[0] = (x0, max(floor(x0), y0 + delta * max(x0, 1) / max(x, 1)))
@@ -549,7 +549,7 @@ class TreeBudget:
         if kind == "spec" and self.guard_min:
             plain_wins, inherited = self._guard(n)  # measured on pure decode rounds, applied to all at this size
             if plain_wins:
-                if at_n % self._probe_every(n) or inherited:
+                if not self._guard_probe_due(n, at_n, inherited):
                     # measured: speculation loses here (or at a smaller batch size, which is not
                     # probed from here: a probe drafts every sequence, and after a while of plain
                     # rounds each one's backlog of head pairs, ~1 s at 32 sequences)
@@ -561,8 +561,7 @@ class TreeBudget:
                     and self.measured.get(n, {}).get("plain", (0.0, 0))[1] < self.guard_min:
                 sizes, deep, kind = [1] * n, [0] * n, "plain"  # plain's rate at this size, early
                 self.explored += 1
-        if model_kind == "plain" and self.model_probe_every and not prefill_tokens and not any(confidences) \
-                and n <= self.model_probe_max_seqs and at_n % self.model_probe_every == 0:
+        if model_kind == "plain" and not any(confidences) and self._model_probe_due(n, at_n, prefill_tokens):
             # the model prices speculation out here: try its best tree now and then, if it is close
             alt_sizes, alt_deep, alt_rate, alt_plain = self._choose_shared(caps, prefill_tokens, probe=True)
             close = alt_rate >= alt_plain * (1 - self.model_probe_margin)
@@ -610,22 +609,24 @@ class TreeBudget:
         if backlogs is None or remaining is None or self.catchup_rate is None:
             return [False] * n
         last = [b > 0 and c <= 1 for c, b in zip(caps, backlogs)]
-        if self._probe_due(n, prefill):
+        at_n = self._guard_rounds.get(n, 0) + 1  # this round's count at n (choose adds it)
+        plain_wins, inherited = self._guard(n)
+        if (plain_wins and self._guard_probe_due(n, at_n, inherited)) or self._model_probe_due(n, at_n, prefill):
             return last
         m = sum(1 for c in caps if c > 1)
         _, plain, spec_best = self._searched(n, m, 0)
-        saving = 1.0 / plain - 1.0 / spec_best[0] if spec_best[0] > plain > 0 and not self._guard(n)[0] else 0.0
+        saving = 1.0 / plain - 1.0 / spec_best[0] if spec_best[0] > plain > 0 and not plain_wins else 0.0
         out = [x or (b > 0 and self.catchup_rate * b > saving * r) for x, b, r in zip(last, backlogs, remaining)]
         self.retired += sum(o and not x for o, x in zip(out, last))
         return out
 
-    def _probe_due(self, n: int, prefill: int) -> bool:
-        """Whether this round (the next at batch size n) is one where `choose` may probe
-        speculation: the guard's (its own verdict says plain) or the model's (small batches)."""
-        at_n = self._guard_rounds.get(n, 0) + 1
-        plain_wins, inherited = self._guard(n)
-        if plain_wins and not inherited and at_n % self._probe_every(n) == 0:
-            return True
+    def _guard_probe_due(self, n: int, at_n: int, inherited: bool) -> bool:
+        """Where the guard holds speculation off at n, whether its round `at_n` probes it (never
+        on an inherited verdict: a probe drafts every sequence of the larger batch)."""
+        return not inherited and at_n % self._probe_every(n) == 0
+
+    def _model_probe_due(self, n: int, at_n: int, prefill: int) -> bool:
+        """Whether round `at_n` at n may try the model's best tree where it chose plain."""
         return bool(self.model_probe_every and not prefill and n <= self.model_probe_max_seqs
                     and at_n % self.model_probe_every == 0)
 

@@ -145,7 +145,6 @@ class Scheduler:
         decoding = [s for s in scheduled if s.num_scheduled == 1 and s.table.num_committed > 0]
         if self.spec_tokens <= 1 or not decoding:
             return
-        caps = [self.max_new_tokens(s) for s in decoding]
         prefill = sum(s.num_scheduled for s in scheduled) - len(decoding)
         if self.budget is None:
             sizes = depths = [None] * len(decoding)
@@ -153,6 +152,7 @@ class Scheduler:
             # no per-sequence confidences: the budget's running prior predicts a round better
             # than the sequence's own last round does
             remaining = [self.tokens_left(s) for s in decoding]
+            caps = [min(r, self.spec_tokens) for r in remaining]  # max_new_tokens
             sizes = self.budget.choose([()] * len(decoding), caps, prefill,
                                        backlogs=[s.head_backlog for s in decoding], remaining=remaining)
             depths = getattr(self.budget, "last_depths", None) or [None] * len(decoding)

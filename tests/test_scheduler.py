@@ -893,14 +893,21 @@ class AlternatingBudget:
         pass
 
 
-def test_rounds_without_drafting_keep_the_head_in_sync(tiny_llama, head_dir, monkeypatch):
+def _alternating_engine(tiny_llama, head_dir, monkeypatch, budget):
+    """Four short requests, their plain outputs, and an EAGLE-2 engine under `budget` whose
+    drafter syncs a non-drafting sequence at 5 pending pairs."""
     from engine.spec import eagle_drafter
     monkeypatch.setattr(eagle_drafter, "SYNC_BACKLOG", 5)  # small enough for these short requests
     reqs = workload(4, seed=3)
     ref = one_at_a_time(LLM(tiny_llama[0], **KW, kv_cache_tokens=4096), reqs)
     llm = LLM(tiny_llama[0], **KW, kv_cache_tokens=4096, draft=head_dir, tree_budget=False,
               spec=SpecConfig("eagle2", total_tokens=8, depth=4, top_k=3))
-    llm.loop.scheduler.budget = AlternatingBudget()
+    llm.loop.scheduler.budget = budget
+    return reqs, ref, llm
+
+
+def test_rounds_without_drafting_keep_the_head_in_sync(tiny_llama, head_dir, monkeypatch):
+    reqs, ref, llm = _alternating_engine(tiny_llama, head_dir, monkeypatch, AlternatingBudget())
     drafter = llm.runner.drafter
     backlog, seen = [], set()
     real = drafter.propose
@@ -942,13 +949,7 @@ def test_a_retired_sequences_head_is_not_kept_in_step_and_its_backlog_is_reporte
     """A step the budget marks head_sync=False is left out of the drafter's sync (its backlog
     grows until it drafts again), outputs stay exact, and every result reports the backlog
     the drafter holds, which the scheduler hands the budget."""
-    from engine.spec import eagle_drafter
-    monkeypatch.setattr(eagle_drafter, "SYNC_BACKLOG", 5)
-    reqs = workload(4, seed=3)
-    ref = one_at_a_time(LLM(tiny_llama[0], **KW, kv_cache_tokens=4096), reqs)
-    llm = LLM(tiny_llama[0], **KW, kv_cache_tokens=4096, draft=head_dir, tree_budget=False,
-              spec=SpecConfig("eagle2", total_tokens=8, depth=4, top_k=3))
-    llm.loop.scheduler.budget = UnsyncedBudget()
+    reqs, ref, llm = _alternating_engine(tiny_llama, head_dir, monkeypatch, UnsyncedBudget())
     drafter = llm.runner.drafter
     backlog, reported = [], []
     real = drafter.propose

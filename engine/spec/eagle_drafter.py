@@ -94,16 +94,12 @@ class EagleDrafter(Drafter):
     def observe_many(self, items: list[tuple[SeqStep, list[int], bool]], features: torch.Tensor) -> None:
         """observe() for several sequences' (step, tokens, reset) at once, `features` their rows
         in order: one write into the feature cache."""
-        slots, bs = [], self.block_size
+        slots = []
         for step, tokens, reset in items:
             state = self.states.get(step.seq_id)
             if reset or state is None:
                 self.states[step.seq_id] = state = self._reset(step)
-            start = state.draft_len + len(state.tokens)
-            if len(tokens) == 1:  # a plain step's one pair (most of them)
-                slots.append(step.block_table[start // bs] * bs + start % bs)
-            else:
-                slots.extend(self._slots(step.block_table, start, len(tokens)))
+            slots.extend(self._slots(step.block_table, state.draft_len + len(state.tokens), len(tokens)))
             state.tokens.extend(tokens)
         if len(slots) != features.shape[0]:
             raise ValueError(f"{len(slots)} observed tokens with {features.shape[0]} feature rows")
@@ -131,19 +127,18 @@ class EagleDrafter(Drafter):
 
     def _slots(self, block_table: list[int], start: int, n: int) -> list[int]:
         bs = self.block_size
+        if n == 1:  # a plain step's one pair, most calls
+            return [block_table[start // bs] * bs + start % bs]
         return [block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
 
-    def _written(self, step: SeqStep, start: int, n: int) -> None:
-        """The head's KV at positions [start, start + n) of the step's sequence now holds their
-        consumed pairs."""
-        written = self.head_written
-        for x in self._slots(step.block_table, start, n):
-            written[x] = 1
-
-    def _pending(self, steps: list[SeqStep], counts: list[int]) -> torch.Tensor:
-        """The features of the first counts[i] pending pairs of each step's sequence, stacked."""
+    def _consume(self, steps: list[SeqStep], counts: list[int]) -> torch.Tensor:
+        """The features of the first counts[i] pending pairs of each step's sequence, stacked;
+        their slots are marked written (the caller's head forward writes their KV)."""
         slots = [x for s, k in zip(steps, counts) for x in self._slots(s.block_table, self.states[s.seq_id].draft_len, k)]
-        return self.features[torch.tensor(slots, device=self.device)]
+        written = self.head_written
+        for x in slots:
+            written[x] = 1
+        return self.features[torch.tensor(slots, dtype=torch.long, device=self.device)]
 
     def backlog(self, seq_id: int) -> int:
         state = self.states.get(seq_id)
@@ -208,9 +203,8 @@ class EagleDrafter(Drafter):
         states = [self.states[s.seq_id] for s in steps]
         counts = [len(st.tokens) - keep for st in states]  # pairs consumed now, per sequence
         spans = [SeqSpan(st.tokens[:k], st.draft_len, s.block_table) for s, st, k in zip(steps, states, counts)]
-        self._head_forward(spans, self._pending(steps, counts))
-        for s, st, k in zip(steps, states, counts):
-            self._written(s, st.draft_len, k)
+        self._head_forward(spans, self._consume(steps, counts))
+        for st, k in zip(states, counts):
             st.draft_len += k
             st.tokens = st.tokens[k:]
         self.catchup_pairs += sum(counts)
@@ -230,11 +224,10 @@ class EagleDrafter(Drafter):
         """Consume every pending pair; the last one's prediction gives the root's children."""
         states = [self.states[s.seq_id] for s in steps]
         spans = [SeqSpan(st.tokens, st.draft_len, s.block_table) for s, st in zip(steps, states)]
-        hidden = self._head_forward(spans, self._pending(steps, [len(st.tokens) for st in states]))
+        hidden = self._head_forward(spans, self._consume(steps, [len(st.tokens) for st in states]))
         ends = torch.tensor([len(st.tokens) for st in states]).cumsum(0) - 1
         last = hidden[ends.to(self.device)]  # [B, h] predicted feature of the root's position
-        for s, st in zip(steps, states):
-            self._written(s, st.draft_len, len(st.tokens))
+        for st in states:
             st.draft_len += len(st.tokens)
             st.tokens = []
         values, indices = (t.tolist() for t in self.head.draft_topk(last, self.target, self.width))
