@@ -8,7 +8,9 @@ head. Prints tok/s per engine over all prompts (ratios to "none" in the same run
 budget's choices (tokens to verify, depth drafted) by count, and its cost model, prior and
 calibration at the end. Per choice, also what the budget predicted a round of it would emit and
 cost against what such rounds gave (`predicted`). --shared-calibration adds the budget that
-prices every depth at the shared calibration (per_depth_calibration off, as before session 27).
+prices every depth at the shared calibration (per_depth_calibration off, as before session 27):
+`instance` builds it apart (instances of one build differ by up to ~10% in speed on these
+machines), `toggle` runs it on the budget engine itself, switched per prompt.
 
     .venv/bin/python bench/bench_budget_c1.py [--prompts 12] [--fixed 3x1x2]
 Writes --out (bench/results/budget_c1.json).
@@ -38,17 +40,21 @@ def main(argv=None):
     ap.add_argument("--prompts", type=int, default=12)
     ap.add_argument("--fixed", default="3x1x2", help="comma list of fixed trees TOTALxDEPTHxTOPK")
     ap.add_argument("--max-new", type=int, default=128)
-    ap.add_argument("--shared-calibration", action="store_true",
-                    help="also run the budget with one shared calibration for every draft depth")
+    ap.add_argument("--shared-calibration", choices=("", "instance", "toggle"), default="",
+                    help="also run the budget with one shared calibration for every draft depth: on an "
+                         "instance of its own, or on the same engine (toggled per prompt: one instance, "
+                         "one learnt cost model, only the pricing differs)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "budget_c1.json"))
     args = ap.parse_args(argv)
     source = bd.source_digest()
     draft = args.draft or default_draft_path()
     common = dict(dtype="bfloat16", kv_cache_tokens=16384)
     engines = {"budget": LLM(None, spec=SpecConfig("eagle2"), draft=draft, **common)}
-    if args.shared_calibration:
+    if args.shared_calibration == "instance":
         engines["budget-shared"] = LLM(None, spec=SpecConfig("eagle2"), draft=draft, **common)
         engines["budget-shared"].budget.per_depth_calibration = False
+    elif args.shared_calibration == "toggle":
+        engines["budget-shared"] = engines["budget"]
     for shape in filter(None, args.fixed.split(",")):
         t, d, k = (int(x) for x in shape.split("x"))
         engines[shape] = LLM(None, spec=SpecConfig("eagle2", total_tokens=t, depth=d, top_k=k), draft=draft,
@@ -59,8 +65,11 @@ def main(argv=None):
     choices = {name: collections.Counter() for name in budgets}
     # per budget and choice: [rounds, predicted tokens, tokens, predicted seconds, seconds]
     predicted = {name: collections.defaultdict(lambda: [0, 0.0, 0, 0.0, 0.0]) for name in budgets}
+    current = {}  # a toggled budget's name now running
     for name in budgets:
-        _trace(engines[name].budget, choices[name], predicted[name])
+        if engines[name] is engines["budget"] and name != "budget":
+            continue  # the same budget: one trace, routed by `current`
+        _trace(engines[name].budget, choices, predicted, current, name)
     prompts = bd.mtbench_ids(args.prompts + 1)
     params = SamplingParams(max_tokens=args.max_new, temperature=0)
     for llm in engines.values():  # warm-up: the first prompt
@@ -73,6 +82,11 @@ def main(argv=None):
         order = list(engines)
         order = order[i % len(order):] + order[:i % len(order)]  # each engine first in turn
         for name in order:
+            if name.startswith("budget"):
+                current["name"] = name
+                if args.shared_calibration == "toggle":
+                    engines[name].budget.per_depth_calibration = name == "budget"
+                    engines[name].budget._search.clear()  # searches priced the other way
             t0 = time.perf_counter()
             tokens[name] += len(engines[name].generate(ids, params)[0].token_ids)
             seconds[name] += time.perf_counter() - t0
@@ -102,10 +116,11 @@ def main(argv=None):
     bd.write_result(args.out, result)
 
 
-def _trace(budget, choices, predicted) -> None:
+def _trace(budget, choices, predicted, current, default) -> None:
     """Count the budget's one-sequence decode choices and, per choice, what it predicted the
     round would emit and cost (1 + calibration x the prior's confidences; verify + draft) next
-    to what the round gave (tokens committed; the seconds its cost model learns from)."""
+    to what the round gave (tokens committed; the seconds its cost model learns from), under
+    choices[name] / predicted[name], name = current["name"] (or `default`)."""
     choose, observe_round, pending = budget.choose, budget.observe_round, {}
 
     def counted(confidences, caps, prefill_tokens=0, **kw):
@@ -114,24 +129,25 @@ def _trace(budget, choices, predicted) -> None:
         if len(sizes) == 1 and not prefill_tokens:
             t, d = sizes[0], budget.last_depths[0] or 0
             key = f"{t}@{d}"
-            choices[key] += 1
+            name = current.get("name", default)
+            choices[name][key] += 1
             if t > 1:
                 cal = budget.depth_calibration(d) if budget.per_depth_calibration else budget.calibration
                 tok = 1 + cal * sum(budget.prior[d - 1][:t - 1])
                 sec = budget.costs.verify(t) + budget.costs.draft(1, d)
             else:
                 tok, sec = 1.0, budget.costs.verify(1)
-            pending["x"] = (key, tok, sec)
+            pending["x"] = (name, key, tok, sec)
         return sizes
 
     def observed(tokens, levels, seconds, committed=None, catchup=0.0, **kw):
         x = pending.pop("x", None)
         if x is not None and committed is not None:
-            p = predicted[x[0]]
+            p = predicted[x[0]][x[1]]
             p[0] += 1
-            p[1] += x[1]
+            p[1] += x[2]
             p[2] += committed
-            p[3] += x[2]
+            p[3] += x[3]
             p[4] += seconds - catchup
         return observe_round(tokens, levels, seconds, committed=committed, catchup=catchup, **kw)
     budget.choose, budget.observe_round = counted, observed
