@@ -60,11 +60,6 @@ from dataclasses import dataclass, field
 # (bench/results/budget_c1_s26.json). Not a floor from the profile itself: a profile taken in a
 # slow spell must be able to learn its way down.
 GROW_FLOOR = 0.25
-DEPTH_CALIBRATION_MIN_ROUNDS = 32  # rounds a depth's own calibration factor needs (`depth_calibration`)
-# its running sums move at this share of `ema`: a depth's factor over the shared calibration is
-# the head's (how its confidence at that depth relates to the shallow rounds'), not the text's,
-# and a fast one adds its own noise to the shared calibration's where all rounds are alike
-DEPTH_CALIBRATION_PACE = 0.25
 CATCHUP_MIN_PAIRS = 16  # catch-ups of fewer pairs do not time the per-pair cost (a forward's fixed cost dominates)
 
 
@@ -270,8 +265,7 @@ class TreeBudget:
                  research_every: int = 8, min_gain: float = 0.05, min_gain_one: float = 0.0,
                  guard_min: int = 8, guard_probe: int = 64,
                  guard_ema: float = 0.1, guard_z: float = 1.0, spec_with_prefill: bool = False, model_probe_every: int = 16,
-                 model_probe_margin: float = 0.1, model_probe_max_seqs: int = 4, model_probe_far: int = 4,
-                 per_depth_calibration: bool = True):
+                 model_probe_margin: float = 0.1, model_probe_max_seqs: int = 4, model_probe_far: int = 4):
         """max_tree_tokens: the configured tree (the most a round may verify); prior: node
         confidences (best first) assumed before any round is seen; explore_every: when
         speculating, run every this many rounds plain, and as many at the full depth (0: never);
@@ -312,9 +306,7 @@ class TreeBudget:
         sixth, the margin probes stopped, and the budget drafted in none of requests 6-21, 133
         of 2847 rounds in all); a probe moves the cost by a tenth of its error, so a stale one
         comes back within the margin (in the test, 20 ms against a true 1 ms: about a thousand
-        rounds), at one speculating round in 64. per_depth_calibration: price a tree drafted d
-        deep at `depth_calibration(d)` (False: the shared calibration for every depth, the
-        budget before session 27)."""
+        rounds), at one speculating round in 64."""
         self.costs = costs
         self.min_gain, self.min_gain_one = min_gain, min_gain_one
         self.research_every = research_every
@@ -328,11 +320,6 @@ class TreeBudget:
         self.explored_depth = 0  # full-depth drafts run to keep the deeper levels' confidences measured
         self.calibration = 1.0  # accepted tokens / predicted accepted tokens (running)
         self._accepted = self._predicted = 1.0
-        # per depth d: [accepted, calibration x predicted, rounds] of rounds drafted at least d deep
-        # (running sums, from 1); their ratio is that depth's factor over the shared calibration
-        # (`depth_calibration`)
-        self._depth_sums: dict[int, list[float]] = {}
-        self.per_depth_calibration = per_depth_calibration
         # expected confidences, best first, of a tree drafted d levels deep: prior[d - 1]. A
         # chain before any round (node i at depth i + 1), learnt from every drafted round:
         # a round drafted D_r deep says what every depth d <= D_r would have drafted (EAGLE-2's
@@ -375,21 +362,6 @@ class TreeBudget:
         predicted = sum(confidence[:tree_tokens - 1])
         if predicted <= 0:
             return
-        if self.max_depth and len(depths) == len(confidence):
-            # per depth d up to the drafted one, as prior[d - 1] learns from this round: its
-            # verified nodes d deep at most, the accepted tokens among them (the accepted path's
-            # first d), and what the shared calibration predicted for them before this round
-            # (at the drafted depth itself: the round's whole prediction and accepted tokens)
-            verified = list(zip(confidence[:tree_tokens - 1], depths[:tree_tokens - 1]))
-            top = min(drafted_depth or max(depths), self.max_depth)
-            for d in range(1, top + 1):
-                part = predicted if d == top else sum(p for p, x in verified if x <= d)
-                if part > 0:
-                    sums = self._depth_sums.setdefault(d, [1.0, 1.0, 0])
-                    a = self.ema * DEPTH_CALIBRATION_PACE
-                    sums[0] += a * ((accepted if d == top else min(accepted, d)) - sums[0])
-                    sums[1] += a * (self.calibration * part - sums[1])
-                    sums[2] += 1
         # a ratio of running sums, not a running ratio: one round's accepted / predicted is 0 or
         # several times the prediction, so its average swings and clipping it biases it
         self._accepted += self.ema * (accepted - self._accepted)
@@ -406,26 +378,6 @@ class TreeBudget:
         for d, conf in enumerate(levels):
             conf = (conf + (0.0,) * n)[:n]
             self.prior[d] = tuple(p + self.ema * (c - p) for p, c in zip(self.prior[d], conf))
-
-    def depth_calibration(self, depth: int) -> float:
-        """The calibration a tree drafted `depth` levels deep is priced at: the shared one times
-        this depth's own factor, learnt from the rounds its prior learns from (those drafted at
-        least that deep): the tokens they accepted within that depth over what the shared
-        calibration predicted for their verified nodes that deep (running sums from 1; the
-        shared calibration alone before DEPTH_CALIBRATION_MIN_ROUNDS such rounds: one round
-        accepts 0 to d tokens, a few say little). The shared calibration follows the text of the
-        moment (every drafting round moves it, most of them shallow); the prior of a depth the
-        budget rarely drafts is learnt from its few rounds (the full-depth explorations) and ran
-        ahead of what they accept. At one sequence (a scratch trace of session 27, the figures
-        bench/bench_budget_c1.py now prints) trees drafted 3-5 deep were predicted 1.93-2.23
-        tokens a round and gave 1.40-1.71, while one-level trees were predicted within 2%; the
-        budget drafted such trees in ~10% of its rounds, at ~25% fewer tokens a second than its
-        one-level trees."""
-        sums = self._depth_sums.get(depth)
-        if not sums or sums[2] < DEPTH_CALIBRATION_MIN_ROUNDS or not sums[1] > 0:
-            return self.calibration
-        factor = min(max(sums[0] / sums[1], 0.25), 4.0)
-        return min(max(self.calibration * factor, 0.05), 5.0)
 
     def observe_round(self, tokens: int, levels: list[int] | int, seconds: float,
                       committed: int | None = None, catchup: float = 0.0, prefill: bool | None = None,
@@ -685,8 +637,7 @@ class TreeBudget:
     def _search_shared(self, n: int, prefill: int, m: int | None = None):
         """The best shared tree for n decoding sequences of which m (None: all) may draft."""
         m = n if m is None else m
-        cal = [self.depth_calibration(d) for d in range(1, len(self.prior) + 1)] \
-            if self.max_depth and self.per_depth_calibration else [self.calibration] * len(self.prior)
+        c = self.calibration
         verify = self.costs.verify
         plain = n / max(verify(prefill + n), 1e-12)
         spec_best = (0.0, 0, 0)  # (rate, depth, additions): the best tree whatever its rate (a model probe's)
@@ -702,7 +653,7 @@ class TreeBudget:
         def rate(d: int, k: int) -> float:
             base, extra = divmod(k, m)
             acc = sums[d - 1]
-            emitted = n + cal[d - 1] * (m * acc[base] + (extra * (acc[base + 1] - acc[base]) if extra else 0.0))
+            emitted = n + c * (m * acc[base] + (extra * (acc[base + 1] - acc[base]) if extra else 0.0))
             seqs = m if base else extra
             dc = cost.get((seqs, d))
             if dc is None:

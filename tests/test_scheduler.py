@@ -10,7 +10,7 @@ import pytest
 from engine.sampling_params import SamplingParams
 from engine.spec.config import SpecConfig
 from scheduler.async_engine import AsyncEngine
-from scheduler.budget import DEPTH_CALIBRATION_MIN_ROUNDS, CostModel, TreeBudget
+from scheduler.budget import CostModel, TreeBudget
 from server.llm import LLM
 from tests.spec_helpers import write_eagle_head
 
@@ -1298,34 +1298,3 @@ def test_plain_rounds_give_their_scratch_reservation_back(tiny_llama, head_dir):
         sched.schedule = real
         assert held and all(n == -(-(c + scratch) // 4) for c, n in held), (size, held)
     assert llm.allocator.num_free_blocks == llm.allocator.num_blocks
-
-
-@pytest.mark.parametrize("per_depth", [True, False])
-def test_a_depth_whose_rounds_accept_less_than_predicted_is_priced_at_its_own_calibration(per_depth):
-    # one-level rounds accept what their confidences predict; rounds drafted three deep (the
-    # rare ones) accept 40% of theirs. The shared calibration, mostly one-level rounds, says
-    # ~0.87 for both; the deep rounds' own factor prices a deep tree at ~0.4 of its confidences
-    costs = CostModel([(1, 0.010), (64, 0.0163)], [(1, 0.005)], [(1, 0.001)], depth=3)
-    b = TreeBudget(costs, 8, max_depth=3, explore_every=0, per_depth_calibration=per_depth)
-    hits = [1, 1, 0, 1, 0, 1, 1, 0, 1, 1]  # 0.7 accepted a round on average
-    for _ in range(DEPTH_CALIBRATION_MIN_ROUNDS - 1):  # too few rounds for a depth's own factor
-        b.observe((0.5, 0.45, 0.4), 4, 0, (1, 2, 3), 3)
-    assert b.depth_calibration(3) == b.calibration
-    for i in range(6000):
-        if i % 10 == 9:
-            b.observe((0.5, 0.45, 0.4, 0.2, 0.2), 6, hits[(i // 10) % 10], (1, 2, 3, 1, 2), 3)
-        else:
-            b.observe((0.5, 0.2), 3, hits[i % 10], (1, 1), 1)
-    assert 0.8 < b.calibration < 0.95
-    assert b.depth_calibration(1) == pytest.approx(1.0, abs=0.15)
-    assert b.depth_calibration(3) == pytest.approx(0.4, abs=0.1)
-    # depth 2 learns from the deep rounds' nodes up to depth 2: 0.7 accepted of 1.35 predicted
-    assert b.depth_calibration(2) == pytest.approx(0.52, abs=0.1)
-    b.choose([()], [8])
-    # at the shared 0.87 every deeper tree models more tokens a second than the one-level tree
-    # (three deep: ~2.5 tokens in 15.5 ms against 1.6 in 11 ms); at their own factors (three
-    # deep: 1.7 tokens in 15.5 ms) none does
-    if per_depth:
-        assert b.last_depths[0] == 1
-    else:
-        assert b.last_depths[0] > 1
