@@ -15,6 +15,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from sse_starlette.sse import EventSourceResponse
+from starlette.background import BackgroundTask
 
 from engine.tokenizer import TemplateError
 from scheduler.async_engine import AsyncEngine, EngineDead
@@ -105,19 +106,11 @@ def create_app(state: ServerState) -> FastAPI:
         log.exception("internal error")
         return JSONResponse(ApiError(500, f"internal error: {type(exc).__name__}").body(), status_code=500)
 
-    @app.middleware("http")
-    async def _limits_and_auth(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > state.max_body_bytes:
-            e = ApiError(413, f"request body over {state.max_body_bytes} bytes", code="request_too_large")
-            return JSONResponse(e.body(), status_code=413)
-        if state.api_key and request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            token = given[7:] if given.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(token.encode(), state.api_key.encode()):
-                e = ApiError(401, "missing or invalid API key (Authorization: Bearer KEY)", code="invalid_api_key")
-                return JSONResponse(e.body(), status_code=401)
-        return await call_next(request)
+    # a plain ASGI middleware, not @app.middleware("http"): behind Starlette's BaseHTTPMiddleware
+    # the endpoint's receive channel never showed a client's disconnect, so a non-streaming
+    # request whose client went away ran to its end, and so did chat streams of n >= 2 choices
+    # whose client left before reading
+    app.add_middleware(_LimitsAndAuth, state=state)
 
     @app.get("/health")
     async def health():
@@ -160,7 +153,7 @@ def create_app(state: ServerState) -> FastAPI:
         handle = _submit(state, [prompt] * n, params, req.user)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _stream_response(state, _chat_stream(state, handle, include_usage))
+            return _stream_response(state, _chat_stream(state, handle, include_usage), handle)
         outs = await _collect(request, state, handle)
         return _chat_response(state, handle, outs)
 
@@ -177,7 +170,7 @@ def create_app(state: ServerState) -> FastAPI:
         handle.echo = bool(req.echo)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _stream_response(state, _completion_stream(state, handle, include_usage))
+            return _stream_response(state, _completion_stream(state, handle, include_usage), handle)
         outs = await _collect(request, state, handle)
         return _completion_response(state, handle, outs)
 
@@ -495,10 +488,22 @@ async def _merged(state: ServerState, handle: Handle):
                 state.engine.abort(seq_id)
 
 
-def _stream_response(state: ServerState, events) -> EventSourceResponse:
+def _stream_response(state: ServerState, events, handle: Handle) -> EventSourceResponse:
     # On shutdown (SIGTERM) sse-starlette would cancel streams at once; the grace period lets
-    # running requests finish (uvicorn's own graceful timeout bounds the whole drain).
-    return EventSourceResponse(events, ping=15, shutdown_grace_period=state.shutdown_timeout)
+    # running requests finish (uvicorn's own graceful timeout bounds the whole drain). The
+    # background task runs once the stream is over, however it ended, and aborts the sequences
+    # not finished by then: `_merged`'s own cleanup only runs once the generator got that far,
+    # not for one closed at its opening chunks or cancelled before it started. (The chat streams
+    # of n >= 2 choices seen running to their end after an early disconnect were the middleware's
+    # doing, see `_LimitsAndAuth`; this covers the generator's early exits whatever the cause.)
+    return EventSourceResponse(events, ping=15, shutdown_grace_period=state.shutdown_timeout,
+                               background=BackgroundTask(_abort_unfinished, state, handle))
+
+
+def _abort_unfinished(state: ServerState, handle: Handle) -> None:
+    for i, seq_id in enumerate(handle.seq_ids):
+        if not handle.finished[i]:
+            state.engine.abort(seq_id)
 
 
 def _event(obj) -> dict:
@@ -596,3 +601,27 @@ def _completion_stream(state: ServerState, handle: Handle, include_usage: bool):
             yield {"index": i, "text": out.text_delta, "logprobs": lp_obj,
                    "finish_reason": out.finish_reason if out.finished else None}
     return _sse(state, handle, include_usage, base, opening, choices_for)
+
+
+class _LimitsAndAuth:
+    """Body size (413) and API key (401 on /v1/*) checks in front of every route."""
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        state = self.state
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > state.max_body_bytes:
+            e = ApiError(413, f"request body over {state.max_body_bytes} bytes", code="request_too_large")
+            return await JSONResponse(e.body(), status_code=413)(scope, receive, send)
+        if state.api_key and scope.get("path", "").startswith("/v1/"):
+            given = headers.get("authorization", "")
+            token = given[7:] if given.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(token.encode(), state.api_key.encode()):
+                e = ApiError(401, "missing or invalid API key (Authorization: Bearer KEY)", code="invalid_api_key")
+                return await JSONResponse(e.body(), status_code=401)(scope, receive, send)
+        await self.app(scope, receive, send)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import math
+import socket
 import time
 
 import httpx2 as httpx
@@ -302,7 +304,10 @@ def test_disconnect_aborts_and_frees_blocks_and_health_turns_503(tiny_llama):
         assert not llm.loop.has_unfinished and llm.allocator.num_free_blocks == free0
         m = srv.metrics()
         assert m['eagle_serve_requests_total{finish_reason="abort"}'] == 1
-        # a client that disconnects from a non-streaming request aborts it too
+        # a client that disconnects from a non-streaming request aborts it too (each round slowed
+        # to 5 ms: 400 tokens would take 2 s, the abort comes within one 0.5 s poll). Through
+        # @app.middleware("http") the disconnect never showed and the request ran to its end.
+        llm.runner.fault_hook = lambda steps: time.sleep(0.005)
         try:
             httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 400,
                                                           "ignore_eos": True}, timeout=0.3)
@@ -312,6 +317,29 @@ def test_disconnect_aborts_and_frees_blocks_and_health_turns_503(tiny_llama):
         while llm.loop.has_unfinished and time.time() < deadline:
             time.sleep(0.05)
         assert not llm.loop.has_unfinished and llm.allocator.num_free_blocks == free0
+        m = srv.metrics()
+        assert m['eagle_serve_requests_total{finish_reason="abort"}'] == 2
+        assert m.get('eagle_serve_requests_total{finish_reason="length"}', 0) == 0
+        # a chat stream of n = 2 choices whose client is gone before reading anything: both
+        # aborted (its opening chunks, a role delta per choice, came before the cleanup that
+        # aborts: both ran to their end)
+        host, port = srv.url.split("//")[1].split(":")
+        body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 400,
+                           "ignore_eos": True, "stream": True, "n": 2, "temperature": 1}).encode()
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.time() + 5
+        while not llm.loop.has_unfinished and time.time() < deadline:
+            time.sleep(0.01)
+        deadline = time.time() + 20
+        while llm.loop.has_unfinished and time.time() < deadline:
+            time.sleep(0.05)
+        assert not llm.loop.has_unfinished and llm.allocator.num_free_blocks == free0
+        m = srv.metrics()
+        assert m['eagle_serve_requests_total{finish_reason="abort"}'] == 4
+        assert m.get('eagle_serve_requests_total{finish_reason="length"}', 0) == 0
+        llm.runner.fault_hook = None
         # the scheduler loop stops: /health says so
         assert httpx.get(srv.url + "/health").status_code == 200
         fut = asyncio.run_coroutine_threadsafe(srv.state.engine.stop(), srv.state.engine._task.get_loop())
