@@ -5,15 +5,19 @@ import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+GREEDY_BELOW = 1e-5  # a temperature under this samples greedily (vLLM's threshold)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request picks its tokens and when it stops.
 
-    temperature 0 means greedy. `seed` keys the sampling noise together with the output
-    position, so a seeded request draws the same tokens however it is batched. `stop` strings
-    are matched by the output processor on text; `stop_token_ids` by the engine on ids.
+    temperature 0 means greedy, and so does any temperature below GREEDY_BELOW (as vLLM treats
+    them): dividing the logits by 5e-324 made them infinite and picked token 0. `seed` keys the
+    sampling noise together with the output position, so a seeded request draws the same tokens
+    however it is batched, given the same logits (a bf16 batch can move them in their last bits).
+    `stop` strings are matched by the output processor on text (none before `min_tokens` tokens);
+    `stop_token_ids` by the engine on ids.
     `logprobs` = number of top alternatives to return per token (None: no logprobs at all).
     """
 
@@ -56,7 +60,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def needs_penalties(self) -> bool:

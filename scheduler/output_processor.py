@@ -35,6 +35,9 @@ class SeqTextState:
         self.detok = IncrementalDetokenizer(tokenizer, seq.prompt_token_ids)
         self.stops = seq.params.stop
         self.include_stop = seq.params.include_stop_str_in_output
+        # as vLLM does: no stop string ends the output before min_tokens tokens (one that ends
+        # within them is not matched later either); min_tokens already keeps EOS and stop ids out
+        self.min_tokens = seq.params.min_tokens
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.text = ""
         self.num_ids = 0  # output ids consumed
@@ -50,7 +53,7 @@ class SeqTextState:
             self.num_ids += 1
             if seq.is_finished and self.num_ids == len(seq.output_token_ids):
                 self.text += self.detok.flush()
-            hit = self._find_stop(start)
+            hit = self._find_stop(start) if self.num_ids >= self.min_tokens else None
         if hit is not None:
             del seq.output_token_ids[self.num_ids:]
             del seq.output_logprobs[self.num_ids:]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import codecs
 import hmac
 import json
 import logging
@@ -16,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from sse_starlette.sse import EventSourceResponse
 from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.tokenizer import TemplateError
 from scheduler.async_engine import AsyncEngine, EngineDead
@@ -100,6 +102,13 @@ def create_app(state: ServerState) -> FastAPI:
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError):
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc: StarletteHTTPException):
+        # an unknown route (404) or method (405): the OpenAI error shape, not {"detail": ...}
+        e = ApiError(exc.status_code, str(exc.detail), code={404: "not_found", 405: "method_not_allowed"}.get(
+            exc.status_code), type_="invalid_request_error" if exc.status_code != 404 else None)
+        return JSONResponse(e.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _internal(request, exc: Exception):
@@ -368,6 +377,9 @@ async def _collect(request: Request, state: ServerState, handle: Handle) -> list
                 return out
 
     task = asyncio.ensure_future(asyncio.gather(*(drain(q) for q in handle.queues)))
+    # a timed-out request raises without awaiting the cancelled gather: retrieve its outcome, or
+    # asyncio logs "_GatheringFuture exception was never retrieved" at every 408
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
     try:
         while not task.done():
             await asyncio.wait({task}, timeout=0.5 if handle.deadline is None
@@ -559,16 +571,21 @@ def _chat_stream(state: ServerState, handle: Handle, include_usage: bool):
 
 # ---------------------------------------------------------------------------- completions
 
-def _completion_logprobs(state: ServerState, token_ids, logprobs, text_start: int) -> dict:
+def _completion_logprobs(state: ServerState, token_ids, logprobs, text_start: int, before: bytearray | None = None) -> dict:
+    """The completions API's logprobs of `token_ids`. text_offset: where each token's text starts
+    in the choice's text, counted in characters of the output's bytes decoded so far (an
+    incomplete UTF-8 sequence at the end counts once complete): a character split over several
+    tokens counted once per token otherwise, and offsets ran past the text. `before`: the bytes
+    of the choice's earlier tokens (a stream's earlier chunks), extended in place."""
     tokens, token_lps, tops, offsets = [], [], [], []
-    offset = text_start
+    done = bytearray() if before is None else before
     for t, lp in zip(token_ids, logprobs):
         s = _token_str(state, t)
         tokens.append(s)
         token_lps.append(lp.logprob)
         tops.append({_token_str(state, i): v for i, v in lp.top})
-        offsets.append(offset)
-        offset += len(s)
+        offsets.append(text_start + len(codecs.getincrementaldecoder("utf-8")("replace").decode(bytes(done))))
+        done += state.tokenizer.token_bytes(t) if state.tokenizer else s.encode()
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
@@ -591,13 +608,15 @@ def _completion_stream(state: ServerState, handle: Handle, include_usage: bool):
     base = {"id": f"cmpl-{handle.id}", "object": "text_completion", "created": handle.created,
             "model": state.model_name}
     echoed = [_prompt_text(state, p) if handle.echo else "" for p in handle.prompts]
-    offsets = [len(t) for t in echoed]  # text_offset of the next token
+    # each choice's output bytes so far: a token's text_offset follows the tokens, not the text
+    # sent (a stop string's possible start is held back from the text)
+    sent_bytes = [bytearray() for _ in echoed]
     opening = [{"index": i, "text": t, "logprobs": None, "finish_reason": None} for i, t in enumerate(echoed) if t]
 
     def choices_for(i, out, new_ids, lps):
         if out.text_delta or lps or out.finished:
-            lp_obj = _completion_logprobs(state, new_ids, lps, offsets[i]) if lps is not None else None
-            offsets[i] += len(out.text_delta)
+            lp_obj = _completion_logprobs(state, new_ids, lps, len(echoed[i]), sent_bytes[i]) \
+                if lps is not None else None
             yield {"index": i, "text": out.text_delta, "logprobs": lp_obj,
                    "finish_reason": out.finish_reason if out.finished else None}
     return _sse(state, handle, include_usage, base, opening, choices_for)

@@ -28,7 +28,7 @@ class ApiError(Exception):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class TextPart(_Strict):
@@ -45,7 +45,7 @@ TokenId = Annotated[int, Field(ge=0)]
 TokenCount = Annotated[int, Field(ge=1)]
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 StopString = Annotated[str, StringConstraints(min_length=1)]
-TokenIdKey = Annotated[str, StringConstraints(pattern=r"^[0-9]+$")]
+TokenIdKey = Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]*)$")]  # canonical: "01" and "1" would be one key
 
 
 class ChatMessage(_Strict):

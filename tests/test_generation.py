@@ -26,6 +26,14 @@ def test_stop_string_truncates_and_reports(tiny_llm):
     kept = tiny_llm.generate(prompt, SamplingParams(max_tokens=30, stop=[stop], include_stop_str_in_output=True,
                                                     **GREEDY))[0]
     assert kept.text == full.text[:first + len(stop)]
+    # no stop string ends the output before min_tokens tokens (vLLM's rule): the match at token
+    # k is passed over, the output goes on past it
+    k = len(out.token_ids)
+    late = tiny_llm.generate(prompt, SamplingParams(max_tokens=30, stop=[stop], min_tokens=k + 1, **GREEDY))[0]
+    assert len(late.token_ids) >= k + 1 and late.token_ids == full.token_ids[:len(late.token_ids)]
+    assert late.text.startswith(full.text[:first + len(stop)])
+    if late.finish_reason == "stop":  # a later match, after the first min_tokens tokens
+        assert full.text.find(stop, first + 1) == len(late.text)
 
 
 def test_stop_token_ids_eos_min_tokens_and_ignore_eos(tiny_llm):

@@ -83,6 +83,16 @@ def test_temperature_zero_is_argmax_whatever_the_seed():
     assert choose(logits.clone(), rows).tolist() == logits.argmax(-1).tolist()
 
 
+def test_a_temperature_too_small_to_divide_by_is_greedy():
+    # logits / 5e-324 are infinite: the first +inf id (0) won, whatever the logits said
+    logits = torch.randn(4, 100, dtype=torch.float64)
+    logits[:, 0] = logits.min() - 1
+    for t in (5e-324, 1e-300, 9e-6):
+        rows = [SampleRow(SamplingParams(temperature=t, seed=s), s, 0, []) for s in range(4)]
+        assert choose(logits.clone(), rows).tolist() == logits.argmax(-1).tolist()
+    assert not SamplingParams(temperature=1e-5).greedy
+
+
 def test_same_seed_and_position_same_token_different_position_independent():
     p = SamplingParams(temperature=1.0)
     a = draws(LOGITS, p, 300, seed=99)

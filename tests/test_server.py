@@ -13,7 +13,8 @@ import openai
 import pytest
 
 from engine.spec.config import SpecConfig
-from server.app import BackgroundServer, ServerState
+from engine.step_io import TokenLogprobs
+from server.app import BackgroundServer, ServerState, _completion_logprobs
 from server.llm import LLM
 from server.metrics import parse_metrics
 from tests.spec_helpers import write_eagle_head
@@ -132,6 +133,27 @@ def test_logprobs_both_shapes(client):
     lp = comp.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 4
     assert lp.text_offset[0] == 0 and all(1 <= len(t) <= 2 for t in lp.top_logprobs)  # keys are strings: may merge
+    # streamed with a stop string (whose possible start is held back from the text sent), the
+    # offsets are the same: they followed the text sent, and lagged it
+    kw = dict(model="tiny", prompt="the quick", max_tokens=12, temperature=0, logprobs=0, stop=["zzzzzz"],
+              extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw).choices[0].logprobs.text_offset
+    streamed = [o for c in client.completions.create(stream=True, **kw) if c.choices and c.choices[0].logprobs
+                for o in c.choices[0].logprobs.text_offset]
+    assert streamed == whole and whole == sorted(whole)
+
+
+def test_text_offset_counts_a_character_split_over_tokens_once():
+    class Tok:  # 🔥 split over two tokens, then "a"
+        pieces = {1: b"\xf0\x9f", 2: b"\x94\xa5", 3: b"a"}
+
+        def token_bytes(self, t):
+            return self.pieces[t]
+
+    state = type("S", (), {"tokenizer": Tok()})()
+    lps = [TokenLogprobs(-0.1, [])] * 3
+    assert _completion_logprobs(state, [1, 2, 3], lps, 0)["text_offset"] == [0, 0, 1]  # text "🔥a"
+    assert _completion_logprobs(state, [3, 1, 2, 3], [lps[0]] * 4, 5)["text_offset"] == [5, 6, 6, 7]
 
 
 def test_logprobs_with_speculation_equal_without(tiny_llama, server):
@@ -213,6 +235,14 @@ def test_errors_have_openai_shape_and_status(server, client):
     assert big.status_code == 413 and set(big.json()["error"]) == {"message", "type", "param", "code"}
     bad = httpx.post(server.url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert bad.status_code == 400 and "error" in bad.json()
+    # types are not coerced ("8" for 8, true for 1), and a token id key is written one way only
+    for field, value in (("max_tokens", "8"), ("max_tokens", True), ("seed", "1"), ("ignore_eos", "yes"),
+                         ("logit_bias", {"0001": 1, "1": -1})):
+        r = httpx.post(server.url + "/v1/chat/completions", json={"model": "tiny", "messages": MSG, field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"].split(".")[0] == field, (field, r.text)
+    # an unknown route or method: the same shape (it was FastAPI's {"detail": ...})
+    for r, status in ((httpx.get(server.url + "/v1/nope"), 404), (httpx.get(server.url + "/v1/chat/completions"), 405)):
+        assert r.status_code == status and set(r.json()["error"]) == {"message", "type", "param", "code"}
     # nulls and defaults are accepted
     ok = httpx.post(server.url + "/v1/chat/completions", json={"model": "tiny", "messages": MSG, "max_tokens": 2,
                                                               "temperature": None, "stop": None, "logit_bias": None,
