@@ -571,22 +571,35 @@ def _chat_stream(state: ServerState, handle: Handle, include_usage: bool):
 
 # ---------------------------------------------------------------------------- completions
 
-def _completion_logprobs(state: ServerState, token_ids, logprobs, text_start: int, before: bytearray | None = None) -> dict:
-    """The completions API's logprobs of `token_ids`. text_offset: where each token's text starts
-    in the choice's text, counted in characters of the output's bytes decoded so far (an
-    incomplete UTF-8 sequence at the end counts once complete): a character split over several
-    tokens counted once per token otherwise, and offsets ran past the text. `before`: the bytes
-    of the choice's earlier tokens (a stream's earlier chunks), extended in place."""
-    tokens, token_lps, tops, offsets = [], [], [], []
-    done = bytearray() if before is None else before
+class _TextOffsets:
+    """A choice's text_offset so far: characters of its output's bytes decoded (an incomplete
+    UTF-8 sequence at the end counts once complete). Counting each token's own text instead
+    counted a character split over tokens once per token (offsets ran past the text), and a
+    stream that advanced by the text it sent lagged while a stop string's possible start was
+    held back."""
+
+    def __init__(self, start: int = 0):
+        self.chars = start
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def next(self, token_bytes: bytes) -> int:
+        """The offset of a token with these bytes (then past it)."""
+        at = self.chars
+        self.chars += len(self.decoder.decode(token_bytes))
+        return at
+
+
+def _completion_logprobs(state: ServerState, token_ids, logprobs, offsets: _TextOffsets) -> dict:
+    """The completions API's logprobs of `token_ids`; `offsets` carries the choice's text_offset
+    from one call to the next (a stream's chunks)."""
+    tokens, token_lps, tops, text_offset = [], [], [], []
     for t, lp in zip(token_ids, logprobs):
         s = _token_str(state, t)
         tokens.append(s)
         token_lps.append(lp.logprob)
         tops.append({_token_str(state, i): v for i, v in lp.top})
-        offsets.append(text_start + len(codecs.getincrementaldecoder("utf-8")("replace").decode(bytes(done))))
-        done += state.tokenizer.token_bytes(t) if state.tokenizer else s.encode()
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+        text_offset.append(offsets.next(state.tokenizer.token_bytes(t) if state.tokenizer else s.encode()))
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": text_offset}
 
 
 def _prompt_text(state: ServerState, prompt: list[int]) -> str:
@@ -598,7 +611,7 @@ def _completion_response(state: ServerState, handle: Handle, outs) -> dict:
     for i, o in enumerate(outs):
         prefix = _prompt_text(state, handle.prompts[i]) if handle.echo else ""
         choices.append({"index": i, "text": prefix + o.text, "finish_reason": o.finish_reason,
-                        "logprobs": _completion_logprobs(state, o.token_ids, o.logprobs, len(prefix))
+                        "logprobs": _completion_logprobs(state, o.token_ids, o.logprobs, _TextOffsets(len(prefix)))
                         if o.logprobs is not None else None})
     return {"id": f"cmpl-{handle.id}", "object": "text_completion", "created": handle.created,
             "model": state.model_name, "choices": choices, "usage": _usage(state, handle, outs)}
@@ -608,15 +621,12 @@ def _completion_stream(state: ServerState, handle: Handle, include_usage: bool):
     base = {"id": f"cmpl-{handle.id}", "object": "text_completion", "created": handle.created,
             "model": state.model_name}
     echoed = [_prompt_text(state, p) if handle.echo else "" for p in handle.prompts]
-    # each choice's output bytes so far: a token's text_offset follows the tokens, not the text
-    # sent (a stop string's possible start is held back from the text)
-    sent_bytes = [bytearray() for _ in echoed]
+    offsets = [_TextOffsets(len(t)) for t in echoed]  # each choice's, across its chunks
     opening = [{"index": i, "text": t, "logprobs": None, "finish_reason": None} for i, t in enumerate(echoed) if t]
 
     def choices_for(i, out, new_ids, lps):
         if out.text_delta or lps or out.finished:
-            lp_obj = _completion_logprobs(state, new_ids, lps, len(echoed[i]), sent_bytes[i]) \
-                if lps is not None else None
+            lp_obj = _completion_logprobs(state, new_ids, lps, offsets[i]) if lps is not None else None
             yield {"index": i, "text": out.text_delta, "logprobs": lp_obj,
                    "finish_reason": out.finish_reason if out.finished else None}
     return _sse(state, handle, include_usage, base, opening, choices_for)

@@ -14,7 +14,7 @@ import pytest
 
 from engine.spec.config import SpecConfig
 from engine.step_io import TokenLogprobs
-from server.app import BackgroundServer, ServerState, _completion_logprobs
+from server.app import BackgroundServer, ServerState, _completion_logprobs, _TextOffsets
 from server.llm import LLM
 from server.metrics import parse_metrics
 from tests.spec_helpers import write_eagle_head
@@ -152,8 +152,10 @@ def test_text_offset_counts_a_character_split_over_tokens_once():
 
     state = type("S", (), {"tokenizer": Tok()})()
     lps = [TokenLogprobs(-0.1, [])] * 3
-    assert _completion_logprobs(state, [1, 2, 3], lps, 0)["text_offset"] == [0, 0, 1]  # text "🔥a"
-    assert _completion_logprobs(state, [3, 1, 2, 3], [lps[0]] * 4, 5)["text_offset"] == [5, 6, 6, 7]
+    assert _completion_logprobs(state, [1, 2, 3], lps, _TextOffsets())["text_offset"] == [0, 0, 1]  # text "🔥a"
+    offsets = _TextOffsets(5)  # after a 5-character echo, over two chunks (a stream's)
+    assert _completion_logprobs(state, [3, 1], lps[:2], offsets)["text_offset"] == [5, 6]
+    assert _completion_logprobs(state, [2, 3], lps[:2], offsets)["text_offset"] == [6, 7]
 
 
 def test_logprobs_with_speculation_equal_without(tiny_llama, server):
