@@ -61,6 +61,10 @@ def build_forward_batch(spans: list[SeqSpan], block_size: int, device: torch.dev
     n_new = np.fromiter((len(s.token_ids) for s in spans), np.int64, len(spans))
     n_cached = np.fromiter((s.num_cached for s in spans), np.int64, len(spans))
     kv_lens = n_cached + n_new
+    for s, end in zip(spans, kv_lens.tolist()):
+        if end > len(s.block_table) * block_size:  # the padded grid would map those slots to block 0
+            raise ValueError(f"a span writes storage positions up to {end - 1}, past its block table "
+                             f"({len(s.block_table)} blocks of {block_size})")
     B, Q, L = len(spans), int(n_new.max()), int(kv_lens.max())
     ids = [t for s in spans for t in s.token_ids]
     positions = [p for s in spans for p in (s.positions or range(s.num_cached, s.num_cached + len(s.token_ids)))]

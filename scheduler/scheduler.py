@@ -72,8 +72,9 @@ class Scheduler:
                     break  # its next block is being computed now: take it from the cache next step
                 self.allocator.match_prefix(seq.table, hashes)
             n = min(seq.num_uncomputed, self.config.max_prefill_chunk, budget)
-            # everything but the last token came from the cache: it decodes (and may speculate)
-            slots = self._slots(seq) if n == 1 and seq.table.num_committed > 0 else n
+            # everything but the last token came from the cache: it decodes (and may speculate);
+            # not a one-token chunk of a longer remainder (the budget left room for one token)
+            slots = self._slots(seq) if seq.num_uncomputed == 1 and seq.table.num_committed > 0 else n
             if not self.allocator.can_reserve(seq.table, slots):
                 if not scheduled and not self.running:
                     self.allocator.free(seq.table)
@@ -142,7 +143,11 @@ class Scheduler:
         return max(1, min(self.spec_slots, room))
 
     def _choose_trees(self, scheduled: list[Sequence]) -> None:
-        decoding = [s for s in scheduled if s.num_scheduled == 1 and s.table.num_committed > 0]
+        # decoding: its one uncomputed token is all it has left; a one-token prompt chunk (a
+        # prefill budget with one token of room) is not, and was given a tree, with one slot
+        # reserved for it
+        decoding = [s for s in scheduled if s.num_scheduled == 1 and s.num_uncomputed == 1
+                    and s.table.num_committed > 0]
         if self.spec_tokens <= 1 or not decoding:
             return
         prefill = sum(s.num_scheduled for s in scheduled) - len(decoding)

@@ -367,3 +367,53 @@ def test_float32_native_paths_speculative_equals_plain(tiny_llama):
         outs = llm.generate(ps, params)
         assert [o.token_ids for o in outs] == ref
         assert sum(o.spec.accepted_tokens for o in outs) > 20
+
+
+# ---- the context's end and one-token prompt chunks (found by a review, session 27) -----------
+
+def test_trees_at_the_context_end_never_write_outside_their_blocks(tiny_llama, head_dir):
+    # Q runs to max_model_len with a 20-token tree: its last rounds had fewer slots reserved than
+    # a tree writes, and positions past its block table landed in block 0, P's (or the prefix
+    # cache's): P's greedy output changed, batched beside Q and in a later call alone
+    spec = SpecConfig("eagle2", total_tokens=20, depth=5, top_k=4)
+    greedy = lambda n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)  # noqa: E731
+    p, q = [5, 6, 7, 8, 9, 10, 11, 12, 13], list(range(20, 60))
+    ref = LLM(tiny_llama[0], max_model_len=64, **KW)
+    want20, want50, want_q = (ref.generate(p, greedy(20))[0].token_ids, ref.generate(p, greedy(50))[0].token_ids,
+                              ref.generate(q, greedy(64 - len(q)))[0].token_ids)
+    llm = LLM(tiny_llama[0], max_model_len=64, draft=head_dir, spec=spec, **KW)
+    assert llm.generate(p, greedy(20))[0].token_ids == want20  # P's blocks (block 0 first) stay in the prefix cache
+    assert llm.generate(q, greedy(64 - len(q)))[0].token_ids == want_q
+    assert llm.generate(p, greedy(20))[0].token_ids == want20
+    free0 = llm.allocator.num_free_blocks
+    out = llm.generate([p, q], [greedy(50), greedy(64 - len(q))])
+    assert [o.token_ids for o in out] == [want50, want_q]
+    assert llm.allocator.num_free_blocks == free0
+
+
+def test_a_span_past_its_block_table_is_refused():
+    with pytest.raises(ValueError, match="past its block table"):
+        build_forward_batch([SeqSpan([1, 2, 3], 6, [4, 5])], 4, torch.device("cpu"))  # positions 6-8, 8 slots
+    build_forward_batch([SeqSpan([1, 2], 6, [4, 5])], 4, torch.device("cpu"))  # positions 6-7: fits
+
+
+@pytest.mark.parametrize("method", ["ngram", "eagle2"])
+def test_one_token_prompt_chunks_are_not_drafted(tiny_llama, head_dir, method):
+    # a prefill budget with one token of room scheduled a one-token chunk of a longer prompt,
+    # which was drafted as a decoding step: ngram's output changed, eagle2 failed ("1 observed
+    # tokens with 8 feature rows") or, batched, wrote its tree past its one reserved slot
+    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    batch = [[11, 12, 13, 14, 15, 16, 17, 18, 19], [5, 6, 7, 8] * 6]
+    want = [o.token_ids for o in LLM(tiny_llama[0], **KW).generate(batch, greedy)]
+    spec = SpecConfig("ngram", total_tokens=6, depth=5) if method == "ngram" else \
+        SpecConfig("eagle2", total_tokens=8, depth=4, top_k=2)
+    draft = head_dir if method == "eagle2" else None
+    one = LLM(tiny_llama[0], draft=draft, spec=spec, max_prefill_chunk=1, **KW)
+    assert [o.token_ids for o in one.generate(batch, greedy)] == want
+    assert one.generate(batch[0], greedy)[0].token_ids == want[0]
+    # chunks of 4 under a 7-token budget leave one-token remainders mid-prompt
+    rng = random.Random(5)
+    five = [[rng.randrange(3, 300) for _ in range(rng.randrange(10, 40))] for _ in range(5)]
+    want = [o.token_ids for o in LLM(tiny_llama[0], **KW).generate(five, greedy)]
+    tight = LLM(tiny_llama[0], draft=draft, spec=spec, max_num_batched_tokens=7, max_prefill_chunk=4, **KW)
+    assert [o.token_ids for o in tight.generate(five, greedy)] == want
