@@ -75,8 +75,11 @@ def _hf_source(path: str):
     cfg_file = os.path.join(path, "config.json")
     if not os.path.exists(cfg_file):
         raise ModelLoadError(f"{path}: missing config.json")
-    with open(cfg_file) as f:
-        raw = json.load(f)
+    try:
+        with open(cfg_file, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{cfg_file}: not valid JSON ({e})") from None
     cfg = ModelConfig.from_hf(raw, cfg_file)
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
@@ -86,11 +89,14 @@ def _hf_source(path: str):
 
 
 def _safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
     for file in files:
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+        try:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except SafetensorError as e:  # a truncated or foreign file: name it, not a traceback
+            raise ModelLoadError(f"{file}: not a readable safetensors file ({e})") from None
 
 
 FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),

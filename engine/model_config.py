@@ -1,6 +1,8 @@
 """Model architecture settings parsed from a Hugging Face config.json (torch-free)."""
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 SUPPORTED_ARCHITECTURES = {
@@ -62,6 +64,32 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict, source: str = "config.json") -> ModelConfig:
+        """The config of a Hugging Face config.json's dict; a missing or malformed field is an
+        UnsupportedModel naming the file (a KeyError or TypeError surfaced as a traceback)."""
+        if not isinstance(cfg, dict):
+            raise UnsupportedModel(f"{source}: not a JSON object")
+        try:
+            out = cls._from_hf(cfg, source)
+        except UnsupportedModel:
+            raise
+        except KeyError as e:
+            raise UnsupportedModel(f"{source}: missing field {e.args[0]!r}") from None
+        except (TypeError, ValueError, AttributeError) as e:
+            raise UnsupportedModel(f"{source}: malformed config ({e})") from None
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "max_position_embeddings"):
+            v = getattr(out, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise UnsupportedModel(f"{source}: {name} must be a positive integer, got {v!r}")
+        if not (isinstance(out.rms_norm_eps, (int, float)) and not isinstance(out.rms_norm_eps, bool)
+                and 0 < out.rms_norm_eps < 1):
+            raise UnsupportedModel(f"{source}: rms_norm_eps must be a number in (0, 1), got {out.rms_norm_eps!r}")
+        if not math.isfinite(out.rope_theta) or out.rope_theta <= 0:
+            raise UnsupportedModel(f"{source}: rope_theta must be a positive number, got {out.rope_theta!r}")
+        return out
+
+    @classmethod
+    def _from_hf(cls, cfg: dict, source: str) -> ModelConfig:
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:

@@ -51,6 +51,52 @@ def test_unsupported_rope_scaling_is_named(tmp_path):
         _load(str(tmp_path))
 
 
+@pytest.mark.parametrize("edit,message", [
+    (lambda c: c.pop("hidden_size"), "missing field 'hidden_size'"),
+    (lambda c: c.update(max_position_embeddings=-5), "max_position_embeddings must be a positive integer"),
+    (lambda c: c.update(hidden_size="64"), "hidden_size must be a positive integer"),
+    (lambda c: c.update(rms_norm_eps="x"), "rms_norm_eps"),
+    (lambda c: c.update(num_hidden_layers=0), "num_layers must be a positive integer")])
+def test_a_malformed_config_names_its_file_and_field(tmp_path, edit, message):
+    # these were a KeyError / TypeError traceback, or a mismatch message quoting "64" as 64
+    write_tiny_model(str(tmp_path), tokenizer=False)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    edit(cfg)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModel, match=message) as e:
+        _load(str(tmp_path))
+    assert "config.json" in str(e.value)
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(UnsupportedModel, match="not a JSON object"):
+        _load(str(tmp_path))
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match="config.json: not valid JSON"):
+        _load(str(tmp_path))
+
+
+def test_a_truncated_weight_file_is_named(tmp_path):
+    write_tiny_model(str(tmp_path), tokenizer=False)
+    st = tmp_path / "model.safetensors"
+    st.write_bytes(st.read_bytes()[: st.stat().st_size // 2])
+    with pytest.raises(ModelLoadError, match="model.safetensors: not a readable safetensors file"):
+        _load(str(tmp_path))
+
+
+def test_a_broken_draft_head_is_named(tmp_path, tiny_llama):
+    from engine.spec.config import SpecConfig
+    from server.llm import LLM
+    from tests.spec_helpers import write_eagle_head
+    head = write_eagle_head(str(tmp_path / "head"), tiny_llama[0])
+    st = tmp_path / "head" / "model.safetensors"
+    st.write_bytes(b"garbage, not a safetensors file")
+    kw = dict(dtype="float64", device="cpu", kv_cache_tokens=1024, block_size=4, spec=SpecConfig("eagle2"))
+    with pytest.raises(ModelLoadError, match="not a readable safetensors file"):
+        LLM(tiny_llama[0], draft=head, **kw)
+    (tmp_path / "head" / "config.json").write_text("{")
+    with pytest.raises(ModelLoadError, match="config.json: not valid JSON"):
+        LLM(tiny_llama[0], draft=head, **kw)
+
+
 def test_weight_shape_mismatch_is_named(tmp_path):
     write_tiny_model(str(tmp_path), tokenizer=False)
     cfg = json.loads((tmp_path / "config.json").read_text())

@@ -1,9 +1,12 @@
 """`eagle-serve train-draft`: data rendering, training, the saved head, bad data."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
+import shutil
+import time
 
 import pytest
 import torch
@@ -193,6 +196,44 @@ def test_regeneration_keeps_ids_and_resumes(tiny_llama, tmp_path, monkeypatch):
     assert any(ex.ids[i:i + len(turn)] == turn for i in range(len(ex.ids)))  # the ids themselves, not re-encoded
     monkeypatch.setattr("server.llm.LLM", lambda *a, **k: (_ for _ in ()).throw(AssertionError("regenerated again")))
     assert trainer.regenerate(cfg, convs, log=lambda m: None) == first  # resumed from regenerated.jsonl
+    monkeypatch.undo()
+    # other answer settings regenerate (the file was reused whatever changed: a run on new data
+    # trained on the old answers), and every answer stops at the target's context
+    said = []
+    longer = dataclasses.replace(cfg, regen_max_tokens=600)
+    again = trainer.regenerate(longer, convs, log=said.append, llm=llm)
+    assert any("other settings" in m for m in said) and os.path.exists(os.path.join(cfg.out, "regenerated.jsonl.old"))
+    assert len(again) == len(first) and all(c[-1]["role"] == "assistant" for c in again)
+    assert all(len(llm.tokenizer.encode_chat(c[:-1])) + len(c[-1]["token_ids"]) <= llm.max_model_len for c in again)
+
+
+def test_out_is_never_the_target_or_a_foreign_model(tiny_llama, tmp_path):
+    data = str(write_jsonl(tmp_path / "d.jsonl", 4))
+    target = tmp_path / "target"
+    shutil.copytree(tiny_llama[0], target)
+    before = (target / "config.json").read_bytes()
+    for out in (target, tmp_path / "target" / ".." / "target"):
+        with pytest.raises(DataError, match="own directory"):
+            train_draft(TrainConfig(model=str(target), out=str(out), data=data, max_len=64, batch_tokens=64,
+                                    dtype="float64", progress=False), log=lambda m: None)
+    other = tmp_path / "other"
+    shutil.copytree(tiny_llama[0], other)  # another model: a config.json no run wrote
+    with pytest.raises(DataError, match="no train-draft run wrote"):
+        train_draft(TrainConfig(model=str(target), out=str(other), data=data, max_len=64, batch_tokens=64,
+                                dtype="float64", progress=False), log=lambda m: None)
+    assert (target / "config.json").read_bytes() == before
+
+
+def test_max_len_past_the_context_is_capped(tiny_llama, tmp_path):
+    # the tiny target's context is 512: a 1024-token max_len failed in its rotary table
+    data = tmp_path / "long.jsonl"
+    data.write_text("\n".join(json.dumps([{"role": "user", "content": " ".join(WORDS * 2)},
+                                          {"role": "assistant", "content": " ".join(WORDS * 80)}]) for _ in range(3)))
+    said = []
+    card = train_draft(TrainConfig(model=tiny_llama[0], out=str(tmp_path / "o"), data=str(data), max_len=1024,
+                                   batch_tokens=2048, epochs=1, dtype="float64", progress=False, snapshots=0),
+                       log=said.append)
+    assert any("using 512" in m for m in said) and card["tokens"] <= 3 * 512
 
 
 def test_training_time_test_steps_are_the_drafting_computation(tiny_llm):
@@ -341,3 +382,21 @@ def test_fused_feature_head_trains_serves_and_stays_lossless(tiny_llama, tmp_pat
         json.dump({**bad, "aux_layers": [0]}, f)
     with pytest.raises(DataError, match="fuses target layers \\[0\\]"):
         train_draft(TrainConfig(out=str(tmp_path / "y"), epochs=1, init=fused_dir, **common), log=lambda m: None)
+
+
+def test_starting_over_drops_the_old_runs_snapshots_and_log(tiny_llama, tmp_path):
+    # a rerun with other settings starts over; the old run's snapshots and log mixed into the
+    # new run's acceptance curve (epochs 1, 2, 1, 2, 3 in one train_log.jsonl)
+    data = write_jsonl(tmp_path / "d.jsonl", 12, seed=3)
+    common = dict(model=tiny_llama[0], out=str(tmp_path / "o"), data=data, max_len=128, batch_tokens=256,
+                  dtype="float64", progress=False, heldout_fraction=0.1, snapshots=2)
+    train_draft(TrainConfig(epochs=1, lr=1e-3, **common), log=lambda m: None)
+    assert os.listdir(tmp_path / "o" / "snapshots")
+    said, t0 = [], time.time()
+    train_draft(TrainConfig(epochs=2, lr=2e-3, **common), log=said.append)
+    assert any("starting over" in m for m in said)
+    snaps = tmp_path / "o" / "snapshots"
+    assert os.listdir(snaps) and all(os.path.getmtime(snaps / n / "model.safetensors") >= t0 for n in os.listdir(snaps))
+    with open(tmp_path / "o" / "train_log.jsonl") as f:
+        epochs = [json.loads(line)["epoch"] for line in f if line.strip()]
+    assert epochs == sorted(epochs) and os.path.exists(tmp_path / "o" / "train_log.jsonl.old")

@@ -122,11 +122,23 @@ def head_aux_layers(path: str) -> list[int]:
     return list(aux) if isinstance(aux, list) else []
 
 
+def _read_json(file: str):
+    try:
+        with open(file, encoding="utf-8") as f:
+            return json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{file}: not valid JSON ({e})") from None
+
+
 def _read_weights(path: str) -> dict[str, torch.Tensor]:
     st = os.path.join(path, "model.safetensors")
     if os.path.exists(st):
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
-        return load_file(st)
+        try:
+            return load_file(st)
+        except SafetensorError as e:
+            raise ModelLoadError(f"{st}: not a readable safetensors file ({e})") from None
     pt = os.path.join(path, "pytorch_model.bin")
     if os.path.exists(pt):
         return torch.load(pt, map_location="cpu", weights_only=True)
@@ -137,8 +149,9 @@ def load_eagle_head(path: str, target: LlamaForCausalLM, dtype: torch.dtype) -> 
     cfg_file = os.path.join(path, "config.json")
     if not os.path.exists(cfg_file):
         raise ModelLoadError(f"draft head {path!r}: missing config.json")
-    with open(cfg_file) as f:
-        raw = json.load(f)
+    raw = _read_json(cfg_file)
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{cfg_file}: not a JSON object")
     raw = {**raw, "num_hidden_layers": 1}
     raw.setdefault("architectures", ["LlamaForCausalLM"])
     cfg = ModelConfig.from_hf(raw, cfg_file)

@@ -19,6 +19,7 @@ import json
 import math
 import os
 import random
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -97,8 +98,21 @@ class TrainConfig:
         return hashlib.sha256(repr(keys).encode()).hexdigest()[:16]
 
 
+def _check_out(cfg: TrainConfig) -> None:
+    """OUT must be a new directory or one a train-draft run wrote: a run pointed at the target's
+    own directory (--out = --model) wrote its head over the target's config.json and weights."""
+    if cfg.model and os.path.exists(cfg.model) and os.path.realpath(cfg.model) == os.path.realpath(cfg.out):
+        raise DataError(f"--out {cfg.out} is the target model's own directory: the head would overwrite it")
+    if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
+        raise DataError(f"--out {cfg.out} is a file, not a directory")
+    if os.path.exists(os.path.join(cfg.out, "config.json")) and not os.path.exists(os.path.join(cfg.out, "card.json")):
+        raise DataError(f"--out {cfg.out} holds a config.json that no train-draft run wrote (a model, or another "
+                        f"head): pick a new directory")
+
+
 def train_draft(cfg: TrainConfig, log=print) -> dict:
     torch.manual_seed(cfg.seed)
+    _check_out(cfg)
     os.makedirs(cfg.out, exist_ok=True)
     from engine.loader import load_model
     from engine.model_runner import resolve_device, resolve_dtype
@@ -110,6 +124,10 @@ def train_draft(cfg: TrainConfig, log=print) -> dict:
         loaded.model.prepack()
     if loaded.tokenizer is None or not loaded.tokenizer.chat_template:
         raise DataError("the target has no chat template; train-draft renders conversations with it")
+    context = loaded.config.max_model_len
+    if cfg.max_len > context:  # positions past the target's context have no rotary embedding
+        log(f"max_len {cfg.max_len} is over the target's context of {context} tokens: using {context}")
+        cfg.max_len = context
     n_layers = loaded.config.num_layers
     if any(i >= n_layers - 1 for i in cfg.aux_layers):  # before hours of regeneration
         raise DataError(f"--aux-layers must be below the target's last layer ({n_layers - 1}): its output is "
@@ -117,6 +135,7 @@ def train_draft(cfg: TrainConfig, log=print) -> dict:
     if cfg.init:
         from engine.spec.eagle_head import head_aux_layers
         init_aux = head_aux_layers(cfg.init)
+        read_head(cfg.init, loaded)  # a wrong --init fails now, not after data and features
         if init_aux and tuple(init_aux) != tuple(cfg.aux_layers):
             raise DataError(f"--init {cfg.init} fuses target layers {list(init_aux)}; pass --aux-layers "
                             f"{','.join(map(str, init_aux))} (got {list(cfg.aux_layers) or 'none'})")
@@ -173,6 +192,20 @@ def regenerate(cfg: TrainConfig, convs: list[list[dict]], log, llm=None) -> list
     from engine.sampling_params import SamplingParams
     from server.llm import LLM
     path = os.path.join(cfg.out, "regenerated.jsonl")
+    # what the file's answers depend on: another source, model or answer length starts it over
+    # (it was reused whatever changed, and a run on new data trained on the old answers)
+    key_path, key = path + ".key", repr((cfg.model or "default", cfg.data, cfg.max_conversations, cfg.dtype,
+                                         cfg.regen_max_tokens, cfg.regen_max_prompt, cfg.regen_max_turns))
+    if os.path.exists(path):
+        old_key = open(key_path, encoding="utf-8").read() if os.path.exists(key_path) else None
+        if old_key is not None and old_key != key:
+            log(f"{path} was regenerated with other settings: regenerating")
+            os.replace(path, path + ".old")
+        elif old_key is None:
+            log(f"{path} has no record of its settings ({key_path}): reusing it; delete it to regenerate")
+    if not os.path.exists(key_path) or not os.path.exists(path):
+        with open(key_path, "w", encoding="utf-8") as f:
+            f.write(key)
     done = []
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
@@ -183,7 +216,7 @@ def regenerate(cfg: TrainConfig, convs: list[list[dict]], log, llm=None) -> list
         llm = LLM(cfg.model, dtype=cfg.dtype, max_num_seqs=64,
                   kv_cache_tokens=64 * (cfg.regen_max_prompt + cfg.regen_max_tokens + 32))
     tok = llm.tokenizer
-    params = SamplingParams(max_tokens=cfg.regen_max_tokens, temperature=0.0)
+    context = llm.max_model_len
     chunk = 512  # conversations per round of turns: large, so the batch stays full while answers finish
     t0, n_tokens = time.time(), 0
     with open(path, "a", encoding="utf-8") as f:
@@ -198,12 +231,15 @@ def regenerate(cfg: TrainConfig, convs: list[list[dict]], log, llm=None) -> list
                     if t < len(user_turns[i]):
                         hist = c + [user_turns[i][t]]
                         ids = tok.encode_chat(hist)
-                        if len(ids) <= cfg.regen_max_prompt:
+                        # an answer never runs past the context (a whole run failed on one long prompt)
+                        if len(ids) <= cfg.regen_max_prompt and len(ids) < context:
                             todo.append(i)
                             prompts.append(ids)
                             new[i] = hist
                 if not todo:
                     break
+                params = [SamplingParams(max_tokens=min(cfg.regen_max_tokens, context - len(p)), temperature=0.0)
+                          for p in prompts]
                 outs = llm.generate(prompts, params)
                 for i, o in zip(todo, outs):
                     ids = list(o.token_ids)
@@ -491,6 +527,10 @@ def fit(cfg: TrainConfig, loaded, ids, masks, feats, offsets, train_idx, held_id
             log(f"resuming at epoch {state['epoch']}, step {state['step']}")
         else:
             log("train_state.pt is from other settings: starting over")
+            # the old run's snapshots and log would mix into this one's curve
+            shutil.rmtree(os.path.join(cfg.out, "snapshots"), ignore_errors=True)
+            if os.path.exists(log_path):
+                os.replace(log_path, log_path + ".old")
     hcfg = head_config(mcfg, bias, len(d2t) if d2t is not None else None, tuple(cfg.aux_layers))
 
     def save_state():
