@@ -78,6 +78,14 @@ def test_bad_data_is_a_clear_error(tmp_path, tiny_llama):
                                 batch_tokens=64, dtype="float64", progress=False), log=lambda m: None)
 
 
+@pytest.mark.parametrize("field,value", [("lr", float("inf")), ("noise", -1.0), ("noise", float("nan")),
+                                         ("snapshots", -1)])
+def test_nonsense_settings_are_refused(field, value):
+    # --lr inf trained a head of NaNs and exited 0; negative or NaN noise trained without noise
+    with pytest.raises(ValueError, match=field):
+        TrainConfig(model=None, out="o", **{field: value})
+
+
 def test_truncated_sharegpt_array_is_read_up_to_the_cut():
     text = '[{"id": "a", "conversations": []}, {"id": "b", "conversations": [{"from": "human", "value": "x"}]}, {"id": "c", "conv'
     assert [o["id"] for o in _json_array_items(text)] == ["a", "b"]

@@ -64,7 +64,9 @@ class TrainConfig:
     def __post_init__(self):
         self.data, self.out = str(self.data), str(self.out)
         checks = [(self.max_len >= 8, "max_len must be >= 8"), (self.epochs >= 1, "epochs must be >= 1"),
-                  (self.lr > 0, "lr must be > 0"), (self.batch_tokens >= self.max_len, "batch_tokens must be >= max_len"),
+                  (math.isfinite(self.lr) and self.lr > 0, "lr must be a finite number > 0"),
+                  (math.isfinite(self.noise) and self.noise >= 0, "noise must be a finite number >= 0"),
+                  (self.snapshots >= 0, "snapshots must be >= 0"), (self.batch_tokens >= self.max_len, "batch_tokens must be >= max_len"),
                   (0 <= self.heldout_fraction < 0.5, "heldout_fraction must be in [0, 0.5)"),
                   (self.max_conversations is None or self.max_conversations >= 2, "max_conversations must be >= 2"),
                   (self.draft_vocab is None or self.draft_vocab >= 2, "draft_vocab must be >= 2"),
