@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -59,10 +60,17 @@ class AsyncEngine:
         if self._wake is not None:
             self._wake.set()
         if self._task is not None:
-            try:
-                await self._task
-            except Exception:  # noqa: BLE001 - its error is kept in self.error
-                pass
+            # bounded: a step stuck in the engine thread (a daemon) would hold the loop task, and
+            # SIGTERM then never finished (the process needed SIGKILL)
+            done, _ = await asyncio.wait({self._task}, timeout=STOP_TIMEOUT)
+            if done:
+                try:
+                    self._task.result()
+                except (Exception, asyncio.CancelledError):  # noqa: BLE001 - its error is kept in self.error
+                    pass
+            else:
+                log.warning("the engine step in flight did not end within %.0f s of the stop: leaving it", STOP_TIMEOUT)
+                self._task.cancel()
         self._task = None
         for seq_id in list(self._streams):
             self._abort_now(seq_id)
@@ -96,6 +104,10 @@ class AsyncEngine:
         self._streams[seq.seq_id] = queue
         self._wake.set()
         return seq.seq_id, queue
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError where add_request would, adding nothing."""
+        self.engine.validate(prompt_token_ids, params)
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as they come (the last has `finished`). Closing the iterator
@@ -199,6 +211,8 @@ class AsyncEngine:
             self.on_finish(out)
 
 
+log = logging.getLogger(__name__)
+STOP_TIMEOUT = 10.0  # seconds `stop` waits for the step in flight (the engine thread is a daemon)
 TRIM_INTERVAL = 30.0  # seconds of work between returns of the C heap's free pages to the OS
 
 

@@ -90,6 +90,11 @@ class EngineLoop:
         self.scheduler.add(seq)
         return seq
 
+    def validate(self, prompt: list[int], params: SamplingParams) -> None:
+        """Raise what add_request would raise for this request, adding nothing (a request of
+        several sequences checks them all before it adds one)."""
+        self._validate(prompt, params)
+
     def _validate(self, prompt: list[int], params: SamplingParams) -> None:
         max_len = self.scheduler.config.max_model_len
         if not prompt:

@@ -319,6 +319,13 @@ def _submit(state: ServerState, prompts: list[list[int]], params, user: str | No
     if eng.num_waiting + len(prompts) > state.max_waiting:
         raise ApiError(503, f"the server is busy ({eng.num_waiting} requests waiting); retry shortly",
                        code="server_busy", headers={"Retry-After": "1"})
+    try:  # every sequence checked before any is added: a later prompt's 400 left the earlier
+        # ones added and aborted, counted as aborted requests in the metrics
+        for prompt, p in zip(prompts, params):
+            eng.validate(prompt, p)
+    except ValueError as e:
+        code = "context_length_exceeded" if "context length" in str(e) else None
+        raise ApiError(400, str(e), None, code) from None
     ids, queues = [], []
     try:
         for prompt, p in zip(prompts, params):
@@ -391,7 +398,10 @@ async def _collect(request: Request, state: ServerState, handle: Handle) -> list
                 raise _timeout_error(handle)  # (the handler below aborts the sequences)
             if await request.is_disconnected():
                 task.cancel()
-                break
+                # answered (to nobody) as an error, not by a CancelledError out of the endpoint:
+                # that logged a 60-line "Exception in ASGI application" at every disconnect
+                raise ApiError(499, "the client closed the connection; the request was aborted",
+                               code="client_closed_request")
         outs = await task
     except asyncio.CancelledError:
         _abort_all(state, handle)

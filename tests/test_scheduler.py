@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 
@@ -98,6 +99,29 @@ def test_small_cache_completes_through_preemption(tiny_llama, head_dir):
     assert [o.token_ids for o in outs] == ref
     assert llm.loop.scheduler.num_preemptions > 0
     assert llm.allocator.num_free_blocks == free0
+
+
+def test_stop_does_not_wait_forever_for_a_stuck_step(tiny_llama, monkeypatch):
+    # SIGTERM's shutdown awaited the loop task, which awaited a step stuck in the engine thread:
+    # the process never exited. Now stop gives up after STOP_TIMEOUT and the request is aborted
+    import scheduler.async_engine as ae
+    monkeypatch.setattr(ae, "STOP_TIMEOUT", 0.3)
+    llm = LLM(tiny_llama[0], **KW, kv_cache_tokens=1024)
+    llm.runner.fault_hook = lambda steps: time.sleep(2.0)  # "stuck" (short, so later tests are not held up)
+
+    async def main():
+        eng = AsyncEngine(llm.loop)
+        await eng.start()
+        seq_id, q = eng.add_request([5, 6, 7], SamplingParams(max_tokens=4, temperature=0))
+        await asyncio.sleep(0.2)  # the step is in flight
+        t0 = time.monotonic()
+        await eng.stop()
+        waited = time.monotonic() - t0
+        return waited, await q.get()
+
+    waited, out = asyncio.run(main())
+    assert waited < 1.0 and out.finished and out.finish_reason == "abort"
+    time.sleep(2.0)  # let the sleeping step end before the engine thread serves the next test
 
 
 def test_abort_mid_generation_frees_blocks(tiny_llama):

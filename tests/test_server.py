@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import socket
 import time
@@ -223,6 +224,13 @@ def test_errors_have_openai_shape_and_status(server, client):
     assert s == 400 and e["param"] == "response_format"
     s, e = _error(lambda: client.completions.create(model="tiny", prompt="x" * 3000, max_tokens=5))
     assert s == 400 and e["code"] == "context_length_exceeded"
+    # a later prompt too long: nothing was added (the earlier ones were, then counted as aborted)
+    before = server.metrics()
+    s, e = _error(lambda: client.completions.create(model="tiny", prompt=["the quick", "x" * 3000], max_tokens=5, n=2))
+    assert s == 400 and e["code"] == "context_length_exceeded"
+    after = server.metrics()
+    assert {k: v for k, v in after.items() if k.startswith("eagle_serve_requests_total")} == \
+        {k: v for k, v in before.items() if k.startswith("eagle_serve_requests_total")}
     s, e = _error(lambda: client.completions.create(model="tiny", prompt=[[5, 400000]], max_tokens=5))
     assert s == 400
     s, e = _error(lambda: client.chat.completions.create(model="tiny", messages=[{"role": "tool", "content": "x"}]))
@@ -321,9 +329,12 @@ def test_metrics_are_consistent_with_responses(tiny_llama, head_dir):
 
 
 def test_disconnect_aborts_and_frees_blocks_and_health_turns_503(tiny_llama):
+    asgi_errors = _Records()
     llm = LLM(tiny_llama[0], dtype="float64", device="cpu", kv_cache_tokens=1024, block_size=4)
     free0 = llm.allocator.num_free_blocks
     srv = LiveServer(llm, served_model_name="tiny")
+    # uvicorn's loggers do not propagate, and its config replaced their handlers when it started
+    logging.getLogger("uvicorn.error").addHandler(asgi_errors)
     try:
         with httpx.stream("POST", srv.url + "/v1/completions", json={"model": "tiny", "prompt": "the quick",
                           "max_tokens": 400, "stream": True, "ignore_eos": True}) as r:
@@ -352,6 +363,8 @@ def test_disconnect_aborts_and_frees_blocks_and_health_turns_503(tiny_llama):
         m = srv.metrics()
         assert m['eagle_serve_requests_total{finish_reason="abort"}'] == 2
         assert m.get('eagle_serve_requests_total{finish_reason="length"}', 0) == 0
+        # and quietly: a CancelledError out of the endpoint logged a traceback at every disconnect
+        assert not [r for r in asgi_errors.records if "Exception in ASGI application" in r.getMessage()]
         # a chat stream of n = 2 choices whose client is gone before reading anything: both
         # aborted (its opening chunks, a role delta per choice, came before the cleanup that
         # aborts: both ran to their end)
@@ -379,9 +392,19 @@ def test_disconnect_aborts_and_frees_blocks_and_health_turns_503(tiny_llama):
         assert httpx.get(srv.url + "/health").status_code == 503
     finally:
         srv.stop()
+        logging.getLogger("uvicorn.error").removeHandler(asgi_errors)
 
 
 @pytest.mark.real_model
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
 def test_real_default_model_chat(tmp_path):
     llm = LLM(None, dtype="float32", device="cpu", kv_cache_tokens=4096)
     srv = LiveServer(llm)
