@@ -191,6 +191,14 @@ class AsyncEngine:
             for seq_id, q in list(self._streams.items()):
                 q.put_nowait(EngineDead(f"engine loop failed: {e!r}"))
                 self._streams.pop(seq_id, None)
+                # and end it in the engine: it stayed running or waiting (the gauges and KV usage
+                # stuck there) and was never counted as a finished request
+                try:
+                    out = self.engine.abort(seq_id, FinishReason.ERROR, f"engine loop failed: {e!r}")
+                except Exception:  # noqa: BLE001 - the engine's state may be what failed
+                    out = None
+                if out is not None:
+                    self._finished(out)
             raise
         finally:
             self.busy_since = None

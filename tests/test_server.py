@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
 import math
@@ -396,6 +397,32 @@ def test_disconnect_aborts_and_frees_blocks_and_health_turns_503(tiny_llama):
 
 
 @pytest.mark.real_model
+def test_a_crashed_engine_loop_ends_and_counts_its_requests(tiny_llama):
+    # a bug in the loop itself (here: its output step raising) fails every request with 503; the
+    # requests also stayed running / waiting in the gauges and were never counted as finished
+    llm = LLM(tiny_llama[0], dtype="float64", device="cpu", kv_cache_tokens=1024, block_size=4, max_num_seqs=1)
+    srv = LiveServer(llm, served_model_name="tiny")
+    try:
+        real = llm.loop.complete
+        llm.loop.complete = lambda *a, **k: (_ for _ in ()).throw(KeyError("boom"))
+        llm.runner.fault_hook = lambda steps: time.sleep(0.5)  # all three are in before the first step ends
+
+        def ask(_):
+            return httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 8},
+                              timeout=30).status_code
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            codes = list(pool.map(ask, range(3)))
+        assert codes == [503, 503, 503]
+        m = srv.metrics()
+        assert m['eagle_serve_requests_total{finish_reason="error"}'] == 3
+        assert m["eagle_serve_requests_running"] == 0 and m["eagle_serve_requests_waiting"] == 0
+        assert m["eagle_serve_kv_cache_usage_ratio"] == 0
+        assert httpx.get(srv.url + "/health").status_code == 503
+        llm.loop.complete, llm.runner.fault_hook = real, None
+    finally:
+        srv.stop()
+
+
 class _Records(logging.Handler):
     def __init__(self):
         super().__init__(logging.ERROR)
