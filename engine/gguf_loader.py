@@ -26,7 +26,11 @@ TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "o
 
 def _reader(path: str):
     import gguf
-    return gguf.GGUFReader(path)
+    try:
+        return gguf.GGUFReader(path)
+    except (ValueError, TypeError, IndexError, KeyError, OSError) as e:  # a truncated or corrupt file
+        from engine.loader import ModelLoadError
+        raise ModelLoadError(f"{path}: not a readable GGUF file, truncated or corrupt ({e})") from None
 
 
 def _field(reader, key: str, default=None):

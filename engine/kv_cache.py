@@ -12,7 +12,11 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         shape = (num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim)
-        self.data = torch.zeros(shape, dtype=dtype, device=device)
+        try:
+            self.data = torch.zeros(shape, dtype=dtype, device=device)
+        except (RuntimeError, MemoryError) as e:  # e.g. --kv-cache-tokens far past the memory
+            raise ValueError(f"cannot allocate the KV cache ({_gib(shape, dtype):.1f} GiB for {num_blocks * block_size} "
+                             f"slots): lower --kv-cache-tokens ({str(e).splitlines()[0][:120]})") from None
 
     def keys(self, layer: int) -> torch.Tensor:
         return self.data[layer, 0]
@@ -26,3 +30,10 @@ class KVCache:
         k_cache.index_copy_(0, slots, k)
         v_cache.index_copy_(0, slots, v)
         return k_cache, v_cache
+
+
+def _gib(shape, dtype) -> float:
+    n = 1
+    for x in shape:
+        n *= int(x)
+    return n * torch.empty(0, dtype=dtype).element_size() / 2 ** 30

@@ -63,12 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(s)
     s.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model's name)")
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=_port, default=8000)
     s.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1/*")
     s.add_argument("--max-waiting", type=int, default=256, help="queued requests before 503 + Retry-After")
     s.add_argument("--request-timeout", type=float, default=None,
                    help="seconds a request may run before it is aborted (408 / an error event; default: no limit)")
-    s.add_argument("--max-request-bytes", type=int, default=4 << 20, help="largest request body accepted (413 above)")
+    s.add_argument("--max-request-bytes", type=_positive_int, default=4 << 20, help="largest request body accepted (413 above)")
     s.add_argument("--allowed-origins", default=None,
                    help="comma-separated CORS origins (default: CORS off, no Access-Control headers)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_ENV_ERRORS: list[str] = []  # EAGLE_SERVE_* values that did not parse (serve refuses to start on them)
+
+
 def _env_defaults(parser: argparse.ArgumentParser) -> None:
     """EAGLE_SERVE_<FLAG> environment variables as defaults (flags on the command line win)."""
     import os
@@ -112,10 +115,38 @@ def _env_defaults(parser: argparse.ArgumentParser) -> None:
         value = os.environ.get("EAGLE_SERVE_" + action.dest.upper())
         if value is None:
             continue
+        name = "EAGLE_SERVE_" + action.dest.upper()
         if isinstance(action, argparse._StoreTrueAction):
-            action.default = value.strip().lower() in ("1", "true", "yes", "on")
+            flag = value.strip().lower()
+            if flag not in ("1", "true", "yes", "on", "0", "false", "no", "off", ""):
+                _ENV_ERRORS.append(f"{name}={value!r}: expected 1/0, true/false, yes/no or on/off")
+                continue
+            action.default = flag in ("1", "true", "yes", "on")
         else:
-            action.default = action.type(value) if action.type else value
+            try:
+                action.default = action.type(value) if action.type else value
+            except (ValueError, TypeError, argparse.ArgumentTypeError) as e:
+                # reported when `serve` runs, not while every subcommand's parser is built (a bad
+                # value broke --help and the other subcommands with a traceback)
+                _ENV_ERRORS.append(f"{name}={value!r}: {e}")
+                continue
+            if action.choices is not None and action.default not in action.choices:
+                _ENV_ERRORS.append(f"{name}={value!r}: choose from {', '.join(map(str, action.choices))}")
+                action.default = None
+
+
+def _port(value: str) -> int:
+    port = int(value)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0-65535, got {port}")
+    return port
+
+
+def _positive_int(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
 
 
 def cmd_serve(args) -> int:
@@ -124,6 +155,8 @@ def cmd_serve(args) -> int:
     from server.app import ServerState, create_app
     from server.llm import LLM
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key is empty: that would serve without authentication; omit it for no key")
     draft = resolve_draft(args)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_cache_tokens=args.kv_cache_tokens,
               max_model_len=args.max_model_len, block_size=args.block_size, draft=draft,
@@ -199,6 +232,8 @@ def cmd_generate(args) -> int:
         prompt = llm.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
     else:
         prompt = llm.encode(args.prompt)
+    if not prompt:
+        raise ValueError("the prompt is empty (it encodes to no tokens)")
     t0 = time.perf_counter()
     out = llm.generate(prompt, params)[0]
     elapsed = time.perf_counter() - t0
@@ -229,8 +264,17 @@ def spec_config(args, draft: str | None = None):
     kwargs = {k: v for k, v in (("total_tokens", args.total_tokens), ("depth", args.depth),
                                 ("top_k", args.top_k)) if v is not None}
     if args.static_tree:
-        with open(args.static_tree) as f:
-            kwargs["static_tree"] = tuple(tuple(p) for p in json.load(f))
+        if method != "eagle1":
+            raise ValueError(f"--static-tree is for --spec eagle1 (got --spec {method})")
+        try:
+            with open(args.static_tree, encoding="utf-8") as f:
+                tree = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"--static-tree {args.static_tree}: not valid JSON ({e})") from None
+        try:
+            return SpecConfig(method, **kwargs, static_tree=tree)
+        except ValueError as e:
+            raise ValueError(f"--static-tree {args.static_tree}: {e}") from None
     return SpecConfig(method, **kwargs)
 
 
@@ -243,7 +287,11 @@ def spec_summary(method: str, stats) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    _ENV_ERRORS.clear()
     args = build_parser().parse_args(argv)
+    if args.command == "serve" and _ENV_ERRORS:
+        print("eagle-serve: error: " + "; ".join(_ENV_ERRORS), file=sys.stderr)
+        return 2
     try:
         if args.command == "generate":
             return cmd_generate(args)

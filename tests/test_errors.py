@@ -141,6 +141,65 @@ def test_cli_reports_errors_cleanly(capsys):
     assert "/no/such/dir" in capsys.readouterr().err
 
 
+def test_cli_refuses_what_it_would_fail_on_later(capsys, monkeypatch, tmp_path, tiny_llama):
+    # each of these was a traceback, or accepted and then misbehaving
+    model = ["--model", tiny_llama[0], "--dtype", "float64", "--device", "cpu"]
+    assert main(["generate", *model, "--prompt", ""]) == 2
+    assert "prompt is empty" in capsys.readouterr().err
+    for tree, said in (('[[0], ["a"]]', "list of integers"), ("[0, 1]", "list of integers"),
+                       ("[[0], [1.5]]", "list of integers"), ("nope", "not valid JSON")):
+        f = tmp_path / "tree.json"
+        f.write_text(tree)
+        assert main(["generate", *model, "--prompt", "x", "--spec", "eagle1", "--draft", "none",
+                     "--static-tree", str(f)]) == 2
+        err = capsys.readouterr().err
+        assert said in err and "tree.json" in err, err
+    assert main(["generate", *model, "--prompt", "x", "--spec", "ngram", "--static-tree", str(f)]) == 2
+    assert "for --spec eagle1" in capsys.readouterr().err
+    assert main(["generate", *model, "--prompt", "x", "--kv-cache-tokens", str(10 ** 12)]) == 2
+    assert "cannot allocate the KV cache" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--port", "99999"])
+    assert "0-65535" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--max-request-bytes", "0"])
+    capsys.readouterr()
+    assert main(["serve", *model, "--api-key="]) == 2
+    assert "--api-key is empty" in capsys.readouterr().err
+    # a bad EAGLE_SERVE_* value fails serve, naming the variable, and nothing else
+    monkeypatch.setenv("EAGLE_SERVE_PORT", "abc")
+    monkeypatch.setenv("EAGLE_SERVE_FIXED_TREE", "maybe")
+    assert main(["serve"]) == 2
+    err = capsys.readouterr().err
+    assert "EAGLE_SERVE_PORT='abc'" in err and "EAGLE_SERVE_FIXED_TREE='maybe'" in err
+    assert main(["generate", "--model", "/no/such/dir", "--prompt", "x"]) == 2  # other commands unaffected
+    assert "/no/such/dir" in capsys.readouterr().err
+
+
+def test_a_draft_top_k_beyond_the_heads_vocabulary_is_refused(tiny_llama, tmp_path):
+    from engine.spec.config import SpecConfig
+    from server.llm import LLM
+    from tests.spec_helpers import write_eagle_head
+    head = write_eagle_head(str(tmp_path / "head"), tiny_llama[0])  # the tiny vocabulary: 320
+    kw = dict(dtype="float64", device="cpu", kv_cache_tokens=1024, block_size=4, draft=head, tree_budget=False)
+    with pytest.raises(ValueError, match="top_k 321 is beyond the draft head's vocabulary of 320"):
+        LLM(tiny_llama[0], spec=SpecConfig("eagle2", total_tokens=10, depth=2, top_k=321), **kw)
+    with pytest.raises(ValueError, match="static tree rank 400"):
+        LLM(tiny_llama[0], spec=SpecConfig("eagle1", static_tree=[[0], [400]]), **kw)
+    LLM(tiny_llama[0], spec=SpecConfig("eagle2", total_tokens=10, depth=2, top_k=320), **kw)
+
+
+@pytest.mark.real_model
+def test_a_truncated_gguf_is_named(tmp_path):
+    from engine.default_model import default_model_path
+    with open(default_model_path(), "rb") as f:
+        head = f.read(5000)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(head)
+    with pytest.raises(ModelLoadError, match="cut.gguf: not a readable GGUF file"):
+        _load(str(cut))
+
+
 def test_stop_strings_without_a_tokenizer_are_refused(tiny_llama):
     from server.llm import LLM
     llm = LLM(tiny_llama[0], dtype="float64", device="cpu", kv_cache_tokens=256, skip_tokenizer=True)

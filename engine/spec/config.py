@@ -44,6 +44,10 @@ class SpecConfig:
                 object.__setattr__(self, name, value)
         if self.total_tokens < 1 or self.depth < 1 or self.top_k < 1:
             raise ValueError("total_tokens, depth and top_k must be >= 1")
+        if not isinstance(self.static_tree, (list, tuple)) or not all(
+                isinstance(p, (list, tuple)) and all(isinstance(r, int) and not isinstance(r, bool) for r in p)
+                for p in self.static_tree):
+            raise ValueError("static_tree must be a list of rank paths, each a list of integers (e.g. [[0], [1], [0, 0]])")
         if not self.static_tree or any(not p or min(p) < 0 for p in self.static_tree):
             raise ValueError("static_tree must be a non-empty list of non-empty rank paths")
         prefixes = {tuple(p) for p in self.static_tree}

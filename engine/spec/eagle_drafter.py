@@ -84,6 +84,11 @@ class EagleDrafter(Drafter):
         # static: child ranks under every rank path (() = the root); width = ranks the LM head must rank
         self._children = _static_children(spec.static_tree) if self.static else {}
         self.width = 1 + max(max(p) for p in spec.static_tree) if self.static else spec.top_k
+        vocab = len(head.d2t) if head.d2t is not None else target.config.vocab_size
+        if self.width > vocab:  # the draft's top-k cannot rank more tokens than its vocabulary has
+            what = f"static tree rank {self.width - 1}" if self.static else f"top_k {spec.top_k}"
+            raise ValueError(f"{what} is beyond the draft head's vocabulary of {vocab} tokens: at most "
+                             f"{vocab - 1 if self.static else vocab}")
         self.idle_rounds = 0  # rounds since any sequence drafted
         self.catchup_seconds = 0.0  # head forwards that consumed backlogs (see sync), cumulative
         self.catchup_pairs = 0  # the pairs they consumed, cumulative
