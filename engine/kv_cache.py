@@ -16,7 +16,7 @@ class KVCache:
             self.data = torch.zeros(shape, dtype=dtype, device=device)
         except (RuntimeError, MemoryError) as e:  # e.g. --kv-cache-tokens far past the memory
             raise ValueError(f"cannot allocate the KV cache ({_gib(shape, dtype):.1f} GiB for {num_blocks * block_size} "
-                             f"slots): lower --kv-cache-tokens ({str(e).splitlines()[0][:120]})") from None
+                             f"slots): ask for fewer (serve / generate: --kv-cache-tokens) ({str(e).splitlines()[0][:120]})") from None
 
     def keys(self, layer: int) -> torch.Tensor:
         return self.data[layer, 0]

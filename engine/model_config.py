@@ -76,11 +76,13 @@ class ModelConfig:
             raise UnsupportedModel(f"{source}: missing field {e.args[0]!r}") from None
         except (TypeError, ValueError, AttributeError) as e:
             raise UnsupportedModel(f"{source}: malformed config ({e})") from None
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-                     "head_dim", "max_position_embeddings"):
+        for name, key in (("vocab_size", "vocab_size"), ("hidden_size", "hidden_size"),
+                          ("intermediate_size", "intermediate_size"), ("num_layers", "num_hidden_layers"),
+                          ("num_heads", "num_attention_heads"), ("num_kv_heads", "num_key_value_heads"),
+                          ("head_dim", "head_dim"), ("max_position_embeddings", "max_position_embeddings")):
             v = getattr(out, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise UnsupportedModel(f"{source}: {name} must be a positive integer, got {v!r}")
+                raise UnsupportedModel(f"{source}: {key} must be a positive integer, got {v!r}")
         if not (isinstance(out.rms_norm_eps, (int, float)) and not isinstance(out.rms_norm_eps, bool)
                 and 0 < out.rms_norm_eps < 1):
             raise UnsupportedModel(f"{source}: rms_norm_eps must be a number in (0, 1), got {out.rms_norm_eps!r}")

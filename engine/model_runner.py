@@ -221,10 +221,9 @@ class ModelRunner:
             if len(s.block_table) * bs - s.num_cached < self.spec.scratch_slots:
                 depths[i] = 0
         # decoding: a sampled one-token step past a computed prefix (not a one-token prompt chunk)
-        decoding = [i for i, s in enumerate(steps)
-                    if len(s.token_ids) == 1 and s.num_cached > 0 and s.sample and depths[i] > 0]
-        idle = [s for i, s in enumerate(steps)
-                if len(s.token_ids) == 1 and s.num_cached > 0 and s.sample and depths[i] <= 0]
+        decodes = [len(s.token_ids) == 1 and s.num_cached > 0 and s.sample for s in steps]
+        decoding = [i for i, d in enumerate(decodes) if d and depths[i] > 0]
+        idle = [s for i, (s, d) in enumerate(zip(steps, decodes)) if d and depths[i] <= 0]
         if idle:  # called even when every one is retired: the drafter counts rounds without a draft
             self.drafter.sync([s for s in idle if s.head_sync])
         if decoding:

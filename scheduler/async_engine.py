@@ -195,10 +195,10 @@ class AsyncEngine:
                 # stuck there) and was never counted as a finished request
                 try:
                     out = self.engine.abort(seq_id, FinishReason.ERROR, f"engine loop failed: {e!r}")
-                except Exception:  # noqa: BLE001 - the engine's state may be what failed
-                    out = None
-                if out is not None:
-                    self._finished(out)
+                    if out is not None:
+                        self._finished(out)
+                except Exception:  # noqa: BLE001 - the engine's state (or the metrics) may be what failed
+                    pass
             raise
         finally:
             self.busy_since = None

@@ -121,7 +121,7 @@ class CompletionRequest(_Common):
 
 def sampling_params(req: _Common, max_tokens: int, logprobs: int | None, seed_offset: int) -> SamplingParams:
     """The engine's settings for choice number `seed_offset` of this request."""
-    bias = {int(key): value for key, value in (req.logit_bias or {}).items()}  # keys: ^[0-9]+$ (TokenIdKey)
+    bias = {int(key): value for key, value in (req.logit_bias or {}).items()}  # keys: canonical decimals (TokenIdKey)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     temperature = 1.0 if req.temperature is None else req.temperature
     kwargs = dict(max_tokens=max_tokens, temperature=temperature,

@@ -605,6 +605,9 @@ def test_compose_and_monitoring_config():
         image = svc.get("image", "")
         assert ":" in image and not image.endswith(":latest"), f"{name}: pin the image ({image})"
     server = services["eagle-serve"]
+    # the key passes through only when the shell sets it: "${EAGLE_SERVE_API_KEY:-}" gave the
+    # container an empty key when it was unset, which `serve` refuses
+    assert server["environment"]["EAGLE_SERVE_API_KEY"] is None
     assert server["build"] == {"context": "..", "dockerfile": "docker/Dockerfile"}
     (dev,) = server["deploy"]["resources"]["reservations"]["devices"]
     assert dev["driver"] == "nvidia" and dev["capabilities"] == ["gpu"]

@@ -56,7 +56,7 @@ def test_unsupported_rope_scaling_is_named(tmp_path):
     (lambda c: c.update(max_position_embeddings=-5), "max_position_embeddings must be a positive integer"),
     (lambda c: c.update(hidden_size="64"), "hidden_size must be a positive integer"),
     (lambda c: c.update(rms_norm_eps="x"), "rms_norm_eps"),
-    (lambda c: c.update(num_hidden_layers=0), "num_layers must be a positive integer")])
+    (lambda c: c.update(num_hidden_layers=0), "num_hidden_layers must be a positive integer")])
 def test_a_malformed_config_names_its_file_and_field(tmp_path, edit, message):
     # these were a KeyError / TypeError traceback, or a mismatch message quoting "64" as 64
     write_tiny_model(str(tmp_path), tokenizer=False)

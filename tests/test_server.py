@@ -396,7 +396,6 @@ def test_disconnect_aborts_and_frees_blocks_and_health_turns_503(tiny_llama):
         logging.getLogger("uvicorn.error").removeHandler(asgi_errors)
 
 
-@pytest.mark.real_model
 def test_a_crashed_engine_loop_ends_and_counts_its_requests(tiny_llama):
     # a bug in the loop itself (here: its output step raising) fails every request with 503; the
     # requests also stayed running / waiting in the gauges and were never counted as finished
@@ -432,6 +431,7 @@ class _Records(logging.Handler):
         self.records.append(record)
 
 
+@pytest.mark.real_model
 def test_real_default_model_chat(tmp_path):
     llm = LLM(None, dtype="float32", device="cpu", kv_cache_tokens=4096)
     srv = LiveServer(llm)

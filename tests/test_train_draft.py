@@ -205,6 +205,11 @@ def test_regeneration_keeps_ids_and_resumes(tiny_llama, tmp_path, monkeypatch):
     monkeypatch.setattr("server.llm.LLM", lambda *a, **k: (_ for _ in ()).throw(AssertionError("regenerated again")))
     assert trainer.regenerate(cfg, convs, log=lambda m: None) == first  # resumed from regenerated.jsonl
     monkeypatch.undo()
+    # more conversations extend the file (it holds a prefix of them): the first ones are kept
+    more = load_conversations(str(write_jsonl(tmp_path / "d.jsonl", 4, seed=4, turns=2)))
+    said = []
+    extended = trainer.regenerate(dataclasses.replace(cfg, max_conversations=4), more, log=said.append, llm=llm)
+    assert extended[:3] == first and len(extended) == 4 and not any("other settings" in m for m in said)
     # other answer settings regenerate (the file was reused whatever changed: a run on new data
     # trained on the old answers), and every answer stops at the target's context
     said = []

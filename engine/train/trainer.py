@@ -186,6 +186,15 @@ def split_heldout(examples: list[Example], fraction: float, seed: int) -> tuple[
 
 # ---------------------------------------------------------------------------- regeneration
 
+def _source_key(name: str):
+    """A data or model source as its file: real path, size and modification time (a name such as
+    `sharegpt` or `default` as it is)."""
+    if not os.path.exists(name):
+        return name
+    st = os.stat(name)
+    return (os.path.realpath(name), st.st_size, int(st.st_mtime))
+
+
 def regenerate(cfg: TrainConfig, convs: list[list[dict]], log, llm=None) -> list[list[dict]]:
     """Replace every assistant turn with the target's own greedy answer (batched through the
     engine), turn by turn so later turns see the regenerated history. Done conversations are
@@ -196,10 +205,15 @@ def regenerate(cfg: TrainConfig, convs: list[list[dict]], log, llm=None) -> list
     path = os.path.join(cfg.out, "regenerated.jsonl")
     # what the file's answers depend on: another source, model or answer length starts it over
     # (it was reused whatever changed, and a run on new data trained on the old answers)
-    key_path, key = path + ".key", repr((cfg.model or "default", cfg.data, cfg.max_conversations, cfg.dtype,
-                                         cfg.regen_max_tokens, cfg.regen_max_prompt, cfg.regen_max_turns))
+    # (not the count: the file holds a prefix of the conversations, and a larger count extends it)
+    key_path = path + ".key"
+    key = repr((_source_key(cfg.model or "default"), _source_key(cfg.data), cfg.dtype, cfg.regen_max_tokens,
+                cfg.regen_max_prompt, cfg.regen_max_turns))
     if os.path.exists(path):
-        old_key = open(key_path, encoding="utf-8").read() if os.path.exists(key_path) else None
+        old_key = None
+        if os.path.exists(key_path):
+            with open(key_path, encoding="utf-8") as f:
+                old_key = f.read()
         if old_key is not None and old_key != key:
             log(f"{path} was regenerated with other settings: regenerating")
             os.replace(path, path + ".old")
