@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -181,6 +182,12 @@ class AsyncEngine:
                         q.put_nowait(out)
                     if out.finished:
                         self._streams.pop(out.seq_id, None)
+                        if out.seq_id in self._aborts and out.finish_reason != FinishReason.ERROR.value:
+                            # aborted while its last step ran (a timeout, a client gone): the
+                            # client was answered as aborted (408, an error event), so it is
+                            # counted so, not as the finish nobody received
+                            self._aborts.discard(out.seq_id)
+                            out = dataclasses.replace(out, finish_reason=FinishReason.ABORT.value)
                         self._finished(out)
                 if self.on_step is not None:
                     self.on_step(seqs, results, outputs, self.last_progress - t0)

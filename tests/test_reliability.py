@@ -363,6 +363,22 @@ def test_request_timeout_aborts_and_frees(tiny_llama, caplog):
         srv.bg.stop()
 
 
+def test_a_timeout_during_the_last_step_is_counted_as_the_abort_the_client_saw(tiny_llama):
+    # the request's one step outlasts its timeout: the client gets 408 while the step finishes the
+    # sequence; it was counted "length", a finish nobody received
+    llm = tiny_llm(tiny_llama, kv_cache_tokens=1024)
+    llm.runner.fault_hook = lambda steps: time.sleep(0.6)
+    srv = Live(llm, request_timeout=0.3)
+    try:
+        r = httpx.post(srv.url + COMP, json={"model": "tiny", "prompt": "x", "max_tokens": 1}, timeout=30)
+        assert r.status_code == 408
+        assert srv.idle_and_clean()
+        assert srv.metric('eagle_serve_requests_total{finish_reason="abort"}') == 1
+        assert srv.metric('eagle_serve_requests_total{finish_reason="length"}') == 0
+    finally:
+        srv.bg.stop()
+
+
 def test_cors_is_off_unless_configured(tiny_llama):
     llm = tiny_llm(tiny_llama, kv_cache_tokens=512)
     pre = {"origin": "https://evil.example", "access-control-request-method": "POST"}
