@@ -212,14 +212,6 @@ class ModelRunner:
         depths = [min(self.spec.max_depth, s.max_new_tokens - 1,
                       s.tree_depth if s.tree_depth is not None
                       else self.spec.max_depth if s.tree_tokens is None else s.tree_tokens - 1) for s in steps]
-        bs = self.config.block_size
-        for i, s in enumerate(steps):
-            # a round writes up to scratch_slots past the committed length (the tree, the head's
-            # frontier); the scheduler reserves fewer where the context ends (`_slots`), and
-            # positions past the block table landed in block 0, another sequence's or the prefix
-            # cache's: such a step decodes plainly
-            if len(s.block_table) * bs - s.num_cached < self.spec.scratch_slots:
-                depths[i] = 0
         # decoding: a sampled one-token step past a computed prefix (not a one-token prompt chunk)
         decodes = [len(s.token_ids) == 1 and s.num_cached > 0 and s.sample for s in steps]
         decoding = [i for i, d in enumerate(decodes) if d and depths[i] > 0]

@@ -151,13 +151,19 @@ class Scheduler:
         if self.spec_tokens <= 1 or not decoding:
             return
         prefill = sum(s.num_scheduled for s in scheduled) - len(decoding)
+        # a round writes up to spec_slots past the committed length (the tree, the head's
+        # frontier); where the context ends `_slots` reserves only the room left, and a full tree
+        # wrote past the block table into block 0 (another sequence's or the prefix cache's):
+        # such a sequence decodes plainly
+        short = [self._slots(s) < self.spec_slots for s in decoding]
         if self.budget is None:
-            sizes = depths = [None] * len(decoding)
+            sizes = [1 if x else None for x in short]
+            depths = [None] * len(decoding)
         else:
             # no per-sequence confidences: the budget's running prior predicts a round better
             # than the sequence's own last round does
             remaining = [self.tokens_left(s) for s in decoding]
-            caps = [min(r, self.spec_tokens) for r in remaining]  # max_new_tokens
+            caps = [1 if x else min(r, self.spec_tokens) for r, x in zip(remaining, short)]  # max_new_tokens
             sizes = self.budget.choose([()] * len(decoding), caps, prefill,
                                        backlogs=[s.head_backlog for s in decoding], remaining=remaining)
             depths = getattr(self.budget, "last_depths", None) or [None] * len(decoding)

@@ -324,8 +324,7 @@ def _submit(state: ServerState, prompts: list[list[int]], params, user: str | No
         for prompt, p in zip(prompts, params):
             eng.validate(prompt, p)
     except ValueError as e:
-        code = "context_length_exceeded" if "context length" in str(e) else None
-        raise ApiError(400, str(e), None, code) from None
+        raise _refused(e) from None
     ids, queues = [], []
     try:
         for prompt, p in zip(prompts, params):
@@ -336,15 +335,18 @@ def _submit(state: ServerState, prompts: list[list[int]], params, user: str | No
         for i in ids:
             eng.abort(i)
         raise ApiError(503, str(e), code="engine_dead", headers={"Retry-After": "5"}) from None
-    except ValueError as e:
+    except ValueError as e:  # validated above; kept so that no refusal becomes a 500
         for i in ids:
             eng.abort(i)
-        code = "context_length_exceeded" if "context length" in str(e) else None
-        raise ApiError(400, str(e), None, code) from None
+        raise _refused(e) from None
     state.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
     if user:
         log.info("request %s from user %r: %d sequences", ids, user, len(ids))
     return Handle(prompts, ids, queues, state.request_timeout)
+
+
+def _refused(e: ValueError) -> ApiError:
+    return ApiError(400, str(e), None, "context_length_exceeded" if "context length" in str(e) else None)
 
 
 class _Tracker:

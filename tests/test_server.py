@@ -336,18 +336,24 @@ def test_disconnect_aborts_and_frees_blocks_and_health_turns_503(tiny_llama):
     srv = LiveServer(llm, served_model_name="tiny")
     # uvicorn's loggers do not propagate, and its config replaced their handlers when it started
     logging.getLogger("uvicorn.error").addHandler(asgi_errors)
+
+    def settled(aborts: int) -> None:
+        """Everything aborted so far is gone: blocks back, `aborts` counted, nothing ran to its end."""
+        deadline = time.time() + 20
+        while (llm.loop.has_unfinished or llm.allocator.num_free_blocks != free0) and time.time() < deadline:
+            time.sleep(0.05)
+        assert not llm.loop.has_unfinished and llm.allocator.num_free_blocks == free0
+        m = srv.metrics()
+        assert m['eagle_serve_requests_total{finish_reason="abort"}'] == aborts
+        assert m.get('eagle_serve_requests_total{finish_reason="length"}', 0) == 0
+
     try:
         with httpx.stream("POST", srv.url + "/v1/completions", json={"model": "tiny", "prompt": "the quick",
                           "max_tokens": 400, "stream": True, "ignore_eos": True}) as r:
             lines = r.iter_lines()
             got = [next(lines) for _ in range(6)]
             assert any(line.startswith("data:") for line in got)
-        deadline = time.time() + 20
-        while (llm.loop.has_unfinished or llm.allocator.num_free_blocks != free0) and time.time() < deadline:
-            time.sleep(0.05)
-        assert not llm.loop.has_unfinished and llm.allocator.num_free_blocks == free0
-        m = srv.metrics()
-        assert m['eagle_serve_requests_total{finish_reason="abort"}'] == 1
+        settled(1)
         # a client that disconnects from a non-streaming request aborts it too (each round slowed
         # to 5 ms: 400 tokens would take 2 s, the abort comes within one 0.5 s poll). Through
         # @app.middleware("http") the disconnect never showed and the request ran to its end.
@@ -357,13 +363,7 @@ def test_disconnect_aborts_and_frees_blocks_and_health_turns_503(tiny_llama):
                                                           "ignore_eos": True}, timeout=0.3)
         except httpx.TimeoutException:
             pass
-        deadline = time.time() + 20
-        while llm.loop.has_unfinished and time.time() < deadline:
-            time.sleep(0.05)
-        assert not llm.loop.has_unfinished and llm.allocator.num_free_blocks == free0
-        m = srv.metrics()
-        assert m['eagle_serve_requests_total{finish_reason="abort"}'] == 2
-        assert m.get('eagle_serve_requests_total{finish_reason="length"}', 0) == 0
+        settled(2)
         # and quietly: a CancelledError out of the endpoint logged a traceback at every disconnect
         assert not [r for r in asgi_errors.records if "Exception in ASGI application" in r.getMessage()]
         # a chat stream of n = 2 choices whose client is gone before reading anything: both
@@ -378,13 +378,7 @@ def test_disconnect_aborts_and_frees_blocks_and_health_turns_503(tiny_llama):
         deadline = time.time() + 5
         while not llm.loop.has_unfinished and time.time() < deadline:
             time.sleep(0.01)
-        deadline = time.time() + 20
-        while llm.loop.has_unfinished and time.time() < deadline:
-            time.sleep(0.05)
-        assert not llm.loop.has_unfinished and llm.allocator.num_free_blocks == free0
-        m = srv.metrics()
-        assert m['eagle_serve_requests_total{finish_reason="abort"}'] == 4
-        assert m.get('eagle_serve_requests_total{finish_reason="length"}', 0) == 0
+        settled(4)
         llm.runner.fault_hook = None
         # the scheduler loop stops: /health says so
         assert httpx.get(srv.url + "/health").status_code == 200
