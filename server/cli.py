@@ -263,6 +263,14 @@ def spec_config(args, draft: str | None = None):
     method = args.spec or ("eagle2" if draft else "none")
     kwargs = {k: v for k, v in (("total_tokens", args.total_tokens), ("depth", args.depth),
                                 ("top_k", args.top_k)) if v is not None}
+    # a flag the method does not read is refused, not accepted and ignored
+    unused = {"none": ("total_tokens", "depth", "top_k"), "ngram": ("top_k",),
+              "eagle1": ("total_tokens", "depth", "top_k"), "eagle2": ()}[method]
+    given = ["--" + k.replace("_", "-") for k in unused if k in kwargs]
+    if given:
+        why = {"none": "it does not speculate", "ngram": "its proposals are single chains",
+               "eagle1": "its tree is the static tree (--static-tree)"}[method]
+        raise ValueError(f"{', '.join(given)} do{'es' if len(given) == 1 else ''} not apply to --spec {method}: {why}")
     if args.static_tree:
         if method != "eagle1":
             raise ValueError(f"--static-tree is for --spec eagle1 (got --spec {method})")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
 
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -41,8 +41,19 @@ MAX_STOP = 4
 
 # The ranges below are the server's real limits: they are validated here and published in the
 # OpenAPI schema (what clients and the fuzz tests read).
-TokenId = Annotated[int, Field(ge=0)]
-TokenCount = Annotated[int, Field(ge=1)]
+
+
+def _whole(value):
+    """A whole-number float (5.0) is its int: JSON does not tell 5.0 from 5, and some clients'
+    encoders write every number as a float. Strings, bools and fractions stay refused."""
+    if type(value) is float and value.is_integer():
+        return int(value)
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_whole)]
+TokenId = Annotated[Int, Field(ge=0)]
+TokenCount = Annotated[Int, Field(ge=1)]
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 StopString = Annotated[str, StringConstraints(min_length=1)]
 TokenIdKey = Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]*)$")]  # canonical: "01" and "1" would be one key
@@ -64,9 +75,9 @@ class _Common(_Strict):
     max_tokens: TokenCount | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = 1
+    n: Annotated[Int, Field(ge=1, le=MAX_N)] | None = 1
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
-    seed: int | None = None
+    seed: Int | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     logit_bias: dict[TokenIdKey, Annotated[float, Field(ge=-100, le=100)]] | None = None
@@ -74,8 +85,8 @@ class _Common(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM-style extensions
-    top_k: Annotated[int, Field(ge=-1)] | None = None
-    min_tokens: Annotated[int, Field(ge=0)] | None = None
+    top_k: Annotated[Int, Field(ge=-1)] | None = None
+    min_tokens: Annotated[Int, Field(ge=0)] | None = None
     ignore_eos: bool | None = None
 
 
@@ -102,7 +113,7 @@ class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: TokenCount | None = None
     logprobs: bool | None = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    top_logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     # not supported yet (structured output, tools): only their "off" values are accepted
     response_format: ResponseFormat | None = None
     tools: Annotated[list[Any], Field(max_length=0)] | None = None
@@ -113,10 +124,10 @@ class ChatRequest(_Common):
 class CompletionRequest(_Common):
     prompt: (str | Annotated[list[str], Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
-    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+    logprobs: Annotated[Int, Field(ge=0, le=5)] | None = None
     echo: bool | None = False
     suffix: Annotated[str, Field(max_length=0)] | None = None
-    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    best_of: Annotated[Int, Field(ge=1, le=MAX_N)] | None = None
 
 
 def sampling_params(req: _Common, max_tokens: int, logprobs: int | None, seed_offset: int) -> SamplingParams:

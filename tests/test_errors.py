@@ -156,6 +156,13 @@ def test_cli_refuses_what_it_would_fail_on_later(capsys, monkeypatch, tmp_path, 
         assert said in err and "tree.json" in err, err
     assert main(["generate", *model, "--prompt", "x", "--spec", "ngram", "--static-tree", str(f)]) == 2
     assert "for --spec eagle1" in capsys.readouterr().err
+    # tree-shape flags the method does not read were accepted and ignored
+    for method, flags, said in (("eagle1", ["--depth", "3", "--top-k", "2"], "--depth, --top-k do not apply"),
+                                ("ngram", ["--top-k", "3"], "--top-k does not apply"),
+                                ("none", ["--total-tokens", "8"], "--total-tokens does not apply")):
+        draft = ["--draft", "none"] if method != "eagle1" else []
+        assert main(["generate", *model, "--prompt", "x", "--spec", method, *draft, *flags]) == 2
+        assert said in capsys.readouterr().err
     assert main(["generate", *model, "--prompt", "x", "--kv-cache-tokens", str(10 ** 12)]) == 2
     assert "cannot allocate the KV cache" in capsys.readouterr().err
     with pytest.raises(SystemExit):

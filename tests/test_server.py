@@ -251,6 +251,15 @@ def test_errors_have_openai_shape_and_status(server, client):
                          ("logit_bias", {"0001": 1, "1": -1})):
         r = httpx.post(server.url + "/v1/chat/completions", json={"model": "tiny", "messages": MSG, field: value})
         assert r.status_code == 400 and r.json()["error"]["param"].split(".")[0] == field, (field, r.text)
+    # but a whole-number float is its int (JSON does not tell 2.0 from 2; vLLM accepts it), a fraction is not
+    r = httpx.post(server.url + "/v1/chat/completions", json={"model": "tiny", "messages": MSG, "max_tokens": 2.5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    r = httpx.post(server.url + "/v1/chat/completions", json={"model": "tiny", "messages": MSG, "max_tokens": 3.0,
+                                                             "n": 2.0, "seed": 7.0, "temperature": 1, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6, r.text
+    again = httpx.post(server.url + "/v1/chat/completions", json={"model": "tiny", "messages": MSG, "max_tokens": 3,
+                                                                 "n": 2, "seed": 7, "temperature": 1, "ignore_eos": True})
+    assert [c["message"] for c in r.json()["choices"]] == [c["message"] for c in again.json()["choices"]]
     # an unknown route or method: the same shape (it was FastAPI's {"detail": ...})
     for r, status in ((httpx.get(server.url + "/v1/nope"), 404), (httpx.get(server.url + "/v1/chat/completions"), 405)):
         assert r.status_code == status and set(r.json()["error"]) == {"message", "type", "param", "code"}
