@@ -23,7 +23,7 @@ from engine.tokenizer import TemplateError
 from scheduler.async_engine import AsyncEngine, EngineDead
 from server.metrics import Metrics
 from server.protocol import (FIELD_HELP, ApiError, ChatRequest, CompletionRequest, chat_inputs, check_common,
-                             completion_prompts, sampling_params)
+                             completion_prompts, echo_texts, sampling_params)
 
 log = logging.getLogger("eagle_serve")
 VERSION = "0.1.0"
@@ -176,7 +176,8 @@ def create_app(state: ServerState) -> FastAPI:
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         params = [sampling_params(req, max_tokens, req.logprobs, i) for i in range(n)]
         handle = _submit(state, [p for p in prompts for _ in range(n)], params * len(prompts), req.user)
-        handle.echo = bool(req.echo)
+        if req.echo:
+            handle.echo = [t for t in echo_texts(req, prompts, state.tokenizer) for _ in range(n)]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return _stream_response(state, _completion_stream(state, handle, include_usage), handle)
@@ -308,7 +309,7 @@ class Handle:
         self.created = int(time.time())
         self.prompts, self.seq_ids, self.queues = prompts, seq_ids, queues
         self.finished = [False] * len(seq_ids)
-        self.echo = False
+        self.echo: list[str] | None = None  # completions with echo: each choice's prompt text
 
 
 def _submit(state: ServerState, prompts: list[list[int]], params, user: str | None) -> Handle:
@@ -614,14 +615,10 @@ def _completion_logprobs(state: ServerState, token_ids, logprobs, offsets: _Text
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": text_offset}
 
 
-def _prompt_text(state: ServerState, prompt: list[int]) -> str:
-    return state.tokenizer.decode(prompt) if state.tokenizer else ""
-
-
 def _completion_response(state: ServerState, handle: Handle, outs) -> dict:
     choices = []
     for i, o in enumerate(outs):
-        prefix = _prompt_text(state, handle.prompts[i]) if handle.echo else ""
+        prefix = handle.echo[i] if handle.echo else ""
         choices.append({"index": i, "text": prefix + o.text, "finish_reason": o.finish_reason,
                         "logprobs": _completion_logprobs(state, o.token_ids, o.logprobs, _TextOffsets(len(prefix)))
                         if o.logprobs is not None else None})
@@ -632,7 +629,7 @@ def _completion_response(state: ServerState, handle: Handle, outs) -> dict:
 def _completion_stream(state: ServerState, handle: Handle, include_usage: bool):
     base = {"id": f"cmpl-{handle.id}", "object": "text_completion", "created": handle.created,
             "model": state.model_name}
-    echoed = [_prompt_text(state, p) if handle.echo else "" for p in handle.prompts]
+    echoed = handle.echo or [""] * len(handle.prompts)
     offsets = [_TextOffsets(len(t)) for t in echoed]  # each choice's, across its chunks
     opening = [{"index": i, "text": t, "logprobs": None, "finish_reason": None} for i, t in enumerate(echoed) if t]
 

@@ -191,3 +191,13 @@ def completion_prompts(req: CompletionRequest, tokenizer) -> list[list[int]]:
             raise ApiError(400, "prompt is empty", "prompt")
         out.append(ids)
     return out
+
+
+def echo_texts(req: CompletionRequest, prompts: list[list[int]], tokenizer) -> list[str]:
+    """What echo puts before each prompt's completion: a text prompt as it was sent (decoding
+    its tokens would drop special tokens such as a chat template's markers), token ids decoded
+    with their special tokens (what the model read); "" without a tokenizer."""
+    p = req.prompt
+    items = [p] if isinstance(p, str) else list(p) if isinstance(p[0], str) else [None] * len(prompts)
+    return [item if isinstance(item, str) else tokenizer.decode(ids, skip_special_tokens=False) if tokenizer else ""
+            for item, ids in zip(items, prompts)]

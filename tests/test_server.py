@@ -84,6 +84,16 @@ def test_chat_and_completion_plain_and_streaming_agree(client):
     assert echo.choices[0].text == "the quick brown" + comp.choices[0].text
     ids = client.completions.create(prompt=[[5, 6, 7], [8, 9]], **kw)
     assert len(ids.choices) == 2 and ids.usage.prompt_tokens == 5
+    # echo gives the prompt as sent, special tokens included (decoding had dropped them), and
+    # token ids as the model read them, per prompt and for each of its n choices
+    marked = "<|im_start|>user\nthe quick<|im_end|>\n"
+    for prompt, opening in ((["the", marked], ["the", "the", marked, marked]),
+                            ([[1, 5, 6]], ["<|im_start|>"] * 2)):
+        special = client.completions.create(prompt=prompt, echo=True, n=2, **kw)
+        texts = [c.text for c in sorted(special.choices, key=lambda c: c.index)]
+        assert all(t.startswith(o) for t, o in zip(texts, opening)) and len(texts) == len(opening), texts
+    streamed = "".join(p.choices[0].text for p in client.completions.create(prompt=marked, echo=True, stream=True, **kw))
+    assert streamed.startswith(marked)
 
 
 def test_stream_include_usage(client):
