@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -210,9 +211,30 @@ def cmd_train_draft(args) -> int:
                       heldout_fraction=args.heldout_fraction, snapshots=args.snapshots, seed=args.seed,
                       dtype=args.dtype, progress=not args.no_progress, init=args.init,
                       ttt_steps=args.ttt_steps, p_weight=args.p_weight, aux_layers=args.aux_layers)
-    from scheduler.worker import on_engine_thread
+    from engine.train import trainer
+    from scheduler.worker import engine_executor
     # on the engine thread, where regeneration's LLM runs too: one thread does all torch work
-    card = on_engine_thread(train_draft, cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
+    job = engine_executor().submit(train_draft, cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
+    try:
+        card = job.result()
+    except KeyboardInterrupt:
+        # Ctrl-C: training saves its state after the step under way; regeneration and features keep
+        # what they finished (chunks, shards). Leaving the engine thread mid-step at exit had ended
+        # the process with SIGABRT.
+        if not trainer.TRAINING.is_set():
+            print("eagle-serve: interrupted; the same command resumes from the last finished regeneration "
+                  "chunk or feature shard", file=sys.stderr, flush=True)
+            os._exit(130)
+        trainer.STOP.set()
+        print("eagle-serve: interrupted; saving the training state after this step (Ctrl-C again: quit now)",
+              file=sys.stderr, flush=True)
+        try:
+            card = job.result()
+        except trainer.Interrupted as e:
+            print(f"eagle-serve: {e}", file=sys.stderr, flush=True)
+            return 130
+        except KeyboardInterrupt:
+            os._exit(130)
     print(json.dumps({k: card[k] for k in ("heldout_loss", "heldout_top1", "heldout_top1_full_vocab",
                                            "train_tokens_seen", "train_seconds") if k in card}))
     return 0

@@ -70,6 +70,25 @@ def test_bad_data_is_a_clear_error(tmp_path, tiny_llama):
         load_conversations(str(useless))
     with pytest.raises(DataError, match="no such file"):
         load_conversations(str(tmp_path / "missing.jsonl"))
+    # bytes that are not UTF-8 name their line; a lone surrogate (valid JSON, no UTF-8) skips its
+    # conversation, as other unusable ones are skipped (both crashed inside the tokenizer)
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]\n'
+                      b'[{"role": "user", "content": "caf\xe9"}, {"role": "assistant", "content": "yo"}]\n')
+    with pytest.raises(DataError, match=r"latin.jsonl:2: not UTF-8"):
+        load_conversations(str(latin))
+    lone = tmp_path / "lone.jsonl"
+    lone.write_text('[{"role": "user", "content": "a\\ud800"}, {"role": "assistant", "content": "yo"}]\n'
+                    '[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]\n')
+    assert [c[0]["content"] for c in load_conversations(str(lone))] == ["hi"]
+    # an assistant turn's token_ids past the target's vocabulary: named before any feature is computed
+    far = tmp_path / "far.jsonl"
+    far.write_text("".join(json.dumps([{"role": "user", "content": "hi"},
+                                       {"role": "assistant", "content": "yo", "token_ids": ids}]) + "\n"
+                           for ids in ([5, 6], [7, 10 ** 6])))
+    with pytest.raises(DataError, match="conversation 2 .* past the target's vocabulary"):
+        train_draft(TrainConfig(model=tiny_llama[0], out=str(tmp_path / "far"), data=str(far), max_len=16,
+                                batch_tokens=64, dtype="float64", progress=False), log=lambda m: None)
     # every conversation longer than max_len with no assistant token inside: a clear error
     long = tmp_path / "long.jsonl"
     long.write_text(json.dumps([{"role": "user", "content": " ".join(WORDS * 20)}, {"role": "assistant", "content": "ok"}]) + "\n" * 2)
@@ -413,3 +432,35 @@ def test_starting_over_drops_the_old_runs_snapshots_and_log(tiny_llama, tmp_path
     with open(tmp_path / "o" / "train_log.jsonl") as f:
         epochs = [json.loads(line)["epoch"] for line in f if line.strip()]
     assert epochs == sorted(epochs) and os.path.exists(tmp_path / "o" / "train_log.jsonl.old")
+
+
+def test_ctrl_c_saves_the_training_state_and_the_same_command_resumes(tiny_llama, tmp_path):
+    # Ctrl-C ended train-draft with SIGABRT (the engine thread left mid-step at exit) and lost
+    # the steps since the last checkpoint
+    import signal
+    import subprocess
+    import sys
+    data = write_jsonl(tmp_path / "d.jsonl", 40)
+    cmd = [sys.executable, "-c", "import sys; from server.cli import main; sys.exit(main())", "train-draft",
+           "--model", tiny_llama[0], "--out", str(tmp_path / "o"), "--data", str(data), "--max-len", "64",
+           "--batch-tokens", "64", "--epochs", "400", "--dtype", "float64", "--no-progress", "--snapshots", "0"]
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+
+    def interrupted_after(mark: str):
+        proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
+        seen = []
+        for line in proc.stderr:  # training is under way once this line is out
+            seen.append(line)
+            if line.startswith(mark):
+                break
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        rest = proc.communicate(timeout=120)[1]
+        assert proc.returncode == 130, "".join(seen) + rest
+        assert "interrupted at epoch" in rest and "the same command resumes" in rest, rest
+        return "".join(seen), torch.load(tmp_path / "o" / "train_state.pt", weights_only=False)["state"]
+
+    _, first = interrupted_after("before training")
+    assert first["step"] > 0
+    log, second = interrupted_after("resuming at")
+    assert f"resuming at epoch {first['epoch']}, step {first['step']}" in log and second["step"] > first["step"]

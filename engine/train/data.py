@@ -67,7 +67,7 @@ def normalise(item) -> list[dict] | None:
             return None
         role = ROLES.get(str(m.get("role", m.get("from", ""))).lower())
         content = m.get("content", m.get("value"))
-        if role is None or not isinstance(content, str):
+        if role is None or not isinstance(content, str) or not _encodable(content):
             return None
         ids = m.get("token_ids")
         if ids is not None and (role != "assistant" or not isinstance(ids, list)
@@ -84,6 +84,26 @@ def normalise(item) -> list[dict] | None:
     while conv and conv[-1]["role"] != "assistant":
         conv.pop()
     return conv
+
+
+def _encodable(text: str) -> bool:
+    """False for text a tokenizer cannot take: a lone surrogate ("\\ud800" in JSON) has no UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def check_token_ids(convs: list[list[dict]], vocab_size: int, source: str) -> None:
+    """Assistant `token_ids` must be the target's: an id past its vocabulary would fail deep in
+    the feature pass."""
+    for n, conv in enumerate(convs, 1):
+        for m in conv:
+            bad = [i for i in m.get("token_ids") or () if i >= vocab_size]
+            if bad:
+                raise DataError(f"{source}: conversation {n} (counting usable ones) has token_ids past the "
+                                f"target's vocabulary of {vocab_size} (e.g. {bad[0]})")
 
 
 def render(tokenizer: Tokenizer, conv: list[dict], max_len: int) -> Example | None:
@@ -153,8 +173,16 @@ def _json_array_items(text: str):
 def _read_jsonl(path: str):
     if not os.path.exists(path):
         raise DataError(f"{path}: no such file")
-    with open(path, encoding="utf-8") as f:
-        lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
+    with open(path, "rb") as f:
+        raw = f.read().split(b"\n")
+    lines = []
+    for n, line in enumerate(raw, 1):
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}:{n}: not UTF-8 text (byte {e.start} of the line)") from None
+        if text.strip():
+            lines.append((n, text))
     if not lines:
         raise DataError(f"{path}: empty file")
     items = []

@@ -20,13 +20,26 @@ import math
 import os
 import random
 import shutil
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from engine.train.data import DataError, Example, load_conversations, render
+from engine.train.data import DataError, Example, check_token_ids, load_conversations, render
+
+
+# Ctrl-C (the CLI sets STOP): training saves its state after the step under way and stops
+# (Interrupted); the same command then resumes there. TRAINING: whether the loop that checks
+# STOP is running (before it, regeneration and features resume from their last finished chunk
+# or shard, so the CLI just exits).
+STOP = threading.Event()
+TRAINING = threading.Event()
+
+
+class Interrupted(Exception):
+    """Training stopped on STOP with its state saved."""
 
 
 @dataclass
@@ -113,6 +126,8 @@ def _check_out(cfg: TrainConfig) -> None:
 
 
 def train_draft(cfg: TrainConfig, log=print) -> dict:
+    STOP.clear()
+    TRAINING.clear()
     torch.manual_seed(cfg.seed)
     _check_out(cfg)
     os.makedirs(cfg.out, exist_ok=True)
@@ -142,6 +157,7 @@ def train_draft(cfg: TrainConfig, log=print) -> dict:
             raise DataError(f"--init {cfg.init} fuses target layers {list(init_aux)}; pass --aux-layers "
                             f"{','.join(map(str, init_aux))} (got {list(cfg.aux_layers) or 'none'})")
     convs = load_conversations(cfg.data, cfg.max_conversations)
+    check_token_ids(convs, loaded.config.vocab_size, cfg.data)
     log(f"data: {len(convs)} conversations from {cfg.data}")
     if cfg.regenerate:
         convs = regenerate(cfg, convs, log)
@@ -566,6 +582,7 @@ def fit(cfg: TrainConfig, loaded, ids, masks, feats, offsets, train_idx, held_id
     bar = _bar(total_steps, "train", cfg.progress, state["step"])
     g = torch.Generator().manual_seed(cfg.seed + 1000 * state["epoch"] + state["batch"])
     t_resume = time.time() - state["elapsed"]
+    TRAINING.set()  # (cleared by train_draft)
     for epoch in range(state["epoch"], cfg.epochs):
         batches = _batches(train_idx, offsets, cfg.batch_tokens, random.Random(cfg.seed + epoch))
         run = {"loss": 0.0, "n": 0, "agree": 0.0}
@@ -594,6 +611,10 @@ def fit(cfg: TrainConfig, loaded, ids, masks, feats, offsets, train_idx, held_id
                 save_state()
             if snap_every and state["step"] % snap_every == 0:
                 save_head(head, os.path.join(cfg.out, "snapshots", f"tokens_{state['tokens']:09d}"), hcfg, d2t)
+            if STOP.is_set():
+                save_state()
+                raise Interrupted(f"interrupted at epoch {epoch + 1}, step {state['step']} of {total_steps}: "
+                                  f"{ckpt} saved; the same command resumes there")
         ev = evaluate()
         rec = {"epoch": epoch + 1, "step": state["step"], "tokens": state["tokens"],
                "train_loss": run["loss"] / max(run["n"], 1), "train_top1": run["agree"] / max(run["n"], 1),
