@@ -48,7 +48,7 @@ class SeqTextState:
         stop string, drop the ids after the one that completed it. Returns (delta, stop hit)."""
         hit = None
         while self.num_ids < len(seq.output_token_ids) and hit is None:
-            start = max(0, len(self.text) - self.hold)
+            start = len(self.text)  # a stop must end in what this id adds
             self.text += self.detok.add([seq.output_token_ids[self.num_ids]])
             self.num_ids += 1
             if seq.is_finished and self.num_ids == len(seq.output_token_ids):
@@ -62,10 +62,12 @@ class SeqTextState:
         self.emitted = end
         return delta, hit
 
-    def _find_stop(self, start: int) -> str | None:
+    def _find_stop(self, new: int) -> str | None:
+        """The first stop string that ends past text[new] (one that ended earlier, within
+        min_tokens, stays unmatched: each stop is searched from its own length back)."""
         best = None
         for s in self.stops:
-            i = self.text.find(s, start)
+            i = self.text.find(s, max(0, new - len(s) + 1))
             if i >= 0 and (best is None or i < best[0]):
                 best = (i, s)
         if best is None:

@@ -34,6 +34,11 @@ def test_stop_string_truncates_and_reports(tiny_llm):
     assert late.text.startswith(full.text[:first + len(stop)])
     if late.finish_reason == "stop":  # a later match, after the first min_tokens tokens
         assert full.text.find(stop, first + 1) == len(late.text)
+    # and a longer stop string beside it changes nothing: its hold-back window had brought the
+    # passed-over match back into the search once min_tokens was reached
+    both = tiny_llm.generate(prompt, SamplingParams(max_tokens=30, stop=[stop, "Z" * 16], min_tokens=k + 1,
+                                                    **GREEDY))[0]
+    assert (both.text, both.token_ids, both.finish_reason) == (late.text, late.token_ids, late.finish_reason)
 
 
 def test_stop_token_ids_eos_min_tokens_and_ignore_eos(tiny_llm):
