@@ -450,6 +450,18 @@ def _token_str(state: ServerState, token_id: int) -> str:
     return state.tokenizer.token_bytes(token_id).decode("utf-8", errors="replace") if state.tokenizer else str(token_id)
 
 
+def _token_key(state: ServerState, token_id: int) -> str:
+    """A completions top_logprobs key: the token's text, or "bytes:\\xNN..." where its bytes are
+    not whole UTF-8 (part of a character)."""
+    if not state.tokenizer:
+        return str(token_id)
+    b = state.tokenizer.token_bytes(token_id)
+    try:
+        return b.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{x:02x}" for x in b)
+
+
 def _chat_logprobs(state: ServerState, token_ids, logprobs) -> dict:
     content = []
     for t, lp in zip(token_ids, logprobs):
@@ -607,10 +619,15 @@ def _completion_logprobs(state: ServerState, token_ids, logprobs, offsets: _Text
     from one call to the next (a stream's chunks)."""
     tokens, token_lps, tops, text_offset = [], [], [], []
     for t, lp in zip(token_ids, logprobs):
-        s = _token_str(state, t)
+        s = _token_key(state, t)
         tokens.append(s)
         token_lps.append(lp.logprob)
-        tops.append({_token_str(state, i): v for i, v in lp.top})
+        # keyed as OpenAI keys them, the sampled token always among them (OpenAI: "up to
+        # logprobs + 1 elements"; vLLM adds it too); a token that is not whole UTF-8 on its own
+        # is keyed by its bytes, or every such token would be one "\ufffd" key
+        top = {_token_key(state, i): v for i, v in lp.top}
+        top.setdefault(_token_key(state, t), lp.logprob)
+        tops.append(top)
         text_offset.append(offsets.next(state.tokenizer.token_bytes(t) if state.tokenizer else s.encode()))
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": text_offset}
 

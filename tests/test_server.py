@@ -144,7 +144,16 @@ def test_logprobs_both_shapes(client):
                                      extra_body={"ignore_eos": True})
     lp = comp.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 4
-    assert lp.text_offset[0] == 0 and all(1 <= len(t) <= 2 for t in lp.top_logprobs)  # keys are strings: may merge
+    # keys are distinct (a partial character is keyed by its bytes: they had merged into one
+    # "\ufffd"), and the sampled token is always among them, even where it is not in the top n
+    assert lp.text_offset[0] == 0 and all(len(t) == 2 for t in lp.top_logprobs), lp.top_logprobs
+    assert all(max(t.values()) == pytest.approx(v) for t, v in zip(lp.top_logprobs, lp.token_logprobs))  # greedy
+    for n, temperature in ((0, 0), (1, 1.5)):
+        lp = client.completions.create(model="tiny", prompt="the quick", max_tokens=8, temperature=temperature, seed=4,
+                                       logprobs=n, extra_body={"ignore_eos": True}).choices[0].logprobs
+        assert all(1 <= len(t) <= n + 1 for t in lp.top_logprobs), lp.top_logprobs
+        assert all(key in t and t[key] == pytest.approx(v)
+                   for t, key, v in zip(lp.top_logprobs, lp.tokens, lp.token_logprobs)), lp
     # streamed with a stop string (whose possible start is held back from the text sent), the
     # offsets are the same: they followed the text sent, and lagged it
     kw = dict(model="tiny", prompt="the quick", max_tokens=12, temperature=0, logprobs=0, stop=["zzzzzz"],
