@@ -146,8 +146,9 @@ class Scheduler:
         # decoding: its one uncomputed token is all it has left; a one-token prompt chunk (a
         # prefill budget with one token of room) is not, and was given a tree, with one slot
         # reserved for it
-        decoding = [s for s in scheduled if s.num_scheduled == 1 and s.num_uncomputed == 1
-                    and s.table.num_committed > 0]
+        for s in scheduled:
+            s.decoding = s.num_scheduled == 1 and s.num_uncomputed == 1 and s.table.num_committed > 0
+        decoding = [s for s in scheduled if s.decoding]
         if self.spec_tokens <= 1 or not decoding:
             return
         prefill = sum(s.num_scheduled for s in scheduled) - len(decoding)

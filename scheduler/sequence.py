@@ -66,6 +66,7 @@ class Sequence:
     finish_time: float | None = None
     # per step, set by the scheduler
     num_scheduled: int = 0  # tokens fed this step (a prefill chunk, or the one new token)
+    decoding: bool = False  # this step feeds its last token, not a prompt (metrics tell the two apart)
     tree_tokens: int | None = None  # tokens the step may verify (1: no speculation; None: the engine's tree)
     tree_depth: int | None = None  # levels the step may draft (None: the engine's rule)
     restart: bool = True  # first step since admission: engine-side state starts over

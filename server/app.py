@@ -55,7 +55,10 @@ class ServerState:
         spec = llm.engine_config.spec
         self.spec_method = spec.method
         self.metrics = Metrics(running=lambda: self.engine.num_running, waiting=lambda: self.engine.num_waiting,
-                               kv_usage=lambda: alloc.num_held_blocks / alloc.num_blocks, max_depth=spec.max_depth)
+                               kv_usage=lambda: alloc.num_held_blocks / alloc.num_blocks, max_depth=spec.max_depth,
+                               totals=lambda: {"num_preemptions": llm.loop.scheduler.num_preemptions,
+                                               "prefix_cache_queries": alloc.prefix_queried_tokens,
+                                               "prefix_cache_hits": alloc.prefix_hit_tokens})
         self.engine = AsyncEngine(llm.loop, on_step=self.metrics.on_step, on_finish=self.metrics.on_finish)
         self.created = int(time.time())
 
@@ -340,7 +343,7 @@ def _submit(state: ServerState, prompts: list[list[int]], params, user: str | No
         for i in ids:
             eng.abort(i)
         raise _refused(e) from None
-    state.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
+    state.metrics.prompt_tokens.inc(sum(len(p) for p in {id(p): p for p in prompts}.values()))  # as _usage counts
     if user:
         log.info("request %s from user %r: %d sequences", ids, user, len(ids))
     return Handle(prompts, ids, queues, state.request_timeout)

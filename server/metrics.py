@@ -4,6 +4,7 @@ use count buckets, latency histograms use seconds."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 COUNT_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0,
@@ -13,13 +14,35 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 MAX_DEPTH_LABELS = 16
 
 
+class _Totals:
+    """Counters the engine keeps itself (read at scrape time): preemptions and prefix-cache
+    lookups, in tokens (vLLM's prefix_cache_queries / prefix_cache_hits)."""
+
+    def __init__(self, totals):
+        self.totals = totals
+
+    def collect(self):
+        t = self.totals()
+        for name, doc in (("num_preemptions", "Sequences preempted (their KV freed, recomputed later)"),
+                          ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
+                          ("prefix_cache_hits", "Of those, tokens found (KV reused, not recomputed)")):
+            yield CounterMetricFamily("eagle_serve_" + name, doc, value=t[name])
+
+
 class Metrics:
-    def __init__(self, running, waiting, kv_usage, max_depth: int):
+    def __init__(self, running, waiting, kv_usage, max_depth: int, totals=None):
+        """running / waiting / kv_usage: gauges' readers; totals(): {num_preemptions,
+        prefix_cache_queries, prefix_cache_hits}, the engine's own running counts."""
         r = self.registry = CollectorRegistry()
         p = "eagle_serve_"
-        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of admitted requests (a prompt shared by "
+                                     "n choices once, as usage counts it)", registry=r)
+        # counted as each step commits them (after stop strings), so a long stream shows in the
+        # rate while it runs, not as one jump at its end
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
-        self.decode_steps = Counter(p + "decode_steps", "Engine steps that decoded, by mode", ["mode"], registry=r)
+        self._counted: dict[int, int] = {}  # seq_id -> its tokens counted so far (unfinished sequences)
+        self.decode_steps = Counter(p + "decode_steps", "Engine steps that decoded (a step that only prefills, or "
+                                    "samples a prompt's first token, is not one), by mode", ["mode"], registry=r)
         # at which loads the engine drafts: the tree budget's choice is per batch size
         self.decode_batch = Histogram(p + "decode_batch_size", "Sequences that decoded in an engine step, by mode",
                                       ["mode"], buckets=BATCH_BUCKETS, registry=r)
@@ -28,7 +51,8 @@ class Metrics:
         self.accepted_tokens = Counter(p + "spec_accepted_tokens", "Draft tokens accepted", registry=r)
         self.accepted_per_depth = Counter(p + "spec_accepted_tokens_per_depth", "Draft tokens accepted at each depth",
                                           ["depth"], registry=r)
-        self.acceptance_length = Histogram(p + "spec_acceptance_length", "Tokens emitted per verify step",
+        self.acceptance_length = Histogram(p + "spec_acceptance_length", "Tokens a verify step gave (accepted draft "
+                                           "tokens + 1), before a finish inside the round drops any",
                                            buckets=COUNT_BUCKETS, registry=r)
         self.tree_tokens = Histogram(p + "spec_tree_tokens", "Tokens verified per sequence per round (root included)",
                                      buckets=COUNT_BUCKETS, registry=r)
@@ -36,7 +60,10 @@ class Metrics:
         self.itl = Histogram(p + "inter_token_latency_seconds", "Time between output tokens", buckets=LATENCY_BUCKETS,
                              registry=r)
         self.latency = Histogram(p + "request_latency_seconds", "Arrival to finish", buckets=LATENCY_BUCKETS, registry=r)
-        self.requests = Counter(p + "requests", "Finished requests, by finish reason", ["finish_reason"], registry=r)
+        self.requests = Counter(p + "requests", "Finished requests, by finish reason (each of n choices counts as "
+                                "one)", ["finish_reason"], registry=r)
+        if totals is not None:
+            r.register(_Totals(totals))
         Gauge(p + "requests_running", "Sequences running", registry=r).set_function(running)
         Gauge(p + "requests_waiting", "Sequences waiting", registry=r).set_function(waiting)
         Gauge(p + "kv_cache_usage_ratio", "Fraction of KV blocks in use", registry=r).set_function(kv_usage)
@@ -49,8 +76,14 @@ class Metrics:
             self.accepted_per_depth.labels(str(d))
 
     def on_step(self, seqs, results, outputs, seconds: float) -> None:
+        decoding = {s.seq_id for s in seqs if s.decoding}
         ok = [r for r in results if not isinstance(r, BaseException)]
-        decoded = [r for r in ok if r.token_ids]
+        decoded = [r for r in ok if r.token_ids and r.seq_id in decoding]
+        for out in outputs:
+            if not out.finished:  # (a finished one is counted by on_finish, which runs first)
+                n = len(out.token_ids)
+                self.generation_tokens.inc(n - self._counted.get(out.seq_id, 0))
+                self._counted[out.seq_id] = n
         if decoded:
             spec = any(r.num_draft_tokens for r in decoded)
             mode = "spec" if spec else "plain"
@@ -69,7 +102,7 @@ class Metrics:
 
     def on_finish(self, out) -> None:
         self.requests.labels(out.finish_reason or "abort").inc()
-        self.generation_tokens.inc(len(out.token_ids))
+        self.generation_tokens.inc(len(out.token_ids) - self._counted.pop(out.seq_id, 0))
         if out.finish_time is not None:
             self.latency.observe(out.finish_time - out.arrival_time)
 

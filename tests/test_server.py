@@ -328,8 +328,8 @@ def test_metrics_are_consistent_with_responses(tiny_llama, head_dir):
         assert 'eagle_serve_spec_accepted_tokens_per_depth_total{depth="1"}' in m0
         c = srv.client()
         total = 0
-        for i in range(3):
-            r = c.completions.create(model="tiny", prompt=f"the quick brown {i}", max_tokens=10 + i, temperature=0,
+        for i in range(3):  # (no prefix in common: each first token comes from its prefill)
+            r = c.completions.create(model="tiny", prompt=f"{i} the quick brown", max_tokens=10 + i, temperature=0,
                                      extra_body={"ignore_eos": True})
             total += r.usage.completion_tokens
         m = srv.metrics()
@@ -353,6 +353,32 @@ def test_metrics_are_consistent_with_responses(tiny_llama, head_dir):
             assert m[f'eagle_serve_decode_batch_size_sum{{mode="{mode}"}}'] == steps
             assert m[f'eagle_serve_decode_batch_size_bucket{{le="1.0",mode="{mode}"}}'] == steps
         assert m['eagle_serve_decode_steps_total{mode="spec"}'] > 0
+        # the steps that sampled a prompt's first token were counted as plain decode steps and
+        # size-1 trees: decode steps give every token but each request's first
+        plain = m['eagle_serve_decode_steps_total{mode="plain"}']
+        assert m["eagle_serve_spec_acceptance_length_sum"] + plain == total - 3
+        assert m["eagle_serve_spec_tree_tokens_count"] == m["eagle_serve_spec_verify_steps_total"] + plain
+        # a stream's tokens are counted as they are committed (they were counted at its end)
+        kw = dict(model="tiny", prompt="the quick", max_tokens=120, temperature=0, extra_body={"ignore_eos": True})
+        llm.runner.fault_hook = lambda steps: time.sleep(0.01)
+        try:
+            stream = c.completions.create(stream=True, **kw)
+            for _, _ in zip(range(8), stream):
+                pass
+            during = srv.metrics()["eagle_serve_generation_tokens_total"] - total
+            rest = list(stream)
+        finally:
+            llm.runner.fault_hook = None
+        assert rest and 0 < during < 120
+        assert srv.metrics()["eagle_serve_generation_tokens_total"] == total + 120
+        # n choices of one prompt: its tokens count once, as usage counts them
+        before = srv.metrics()["eagle_serve_prompt_tokens_total"]
+        r = c.completions.create(n=3, **{**kw, "max_tokens": 2, "prompt": " ".join(["the quick brown fox"] * 4)})
+        m = srv.metrics()
+        assert m["eagle_serve_prompt_tokens_total"] - before == r.usage.prompt_tokens
+        # the engine's own counts: preemptions, prefix-cache lookups and hits (the 3 choices shared a prefix)
+        assert m["eagle_serve_num_preemptions_total"] == llm.loop.scheduler.num_preemptions
+        assert 0 < m["eagle_serve_prefix_cache_hits_total"] <= m["eagle_serve_prefix_cache_queries_total"]
     finally:
         srv.stop()
 
