@@ -45,6 +45,10 @@ class ServerState:
         self.request_timeout = request_timeout
         self.allowed_origins = list(allowed_origins or [])
         self.shutdown_timeout = shutdown_timeout
+        # set once SIGTERM's grace period is over: what still runs is answered 503 / an error
+        # event before the server cancels it (it had got uvicorn's plain-text 500, a stream just ended)
+        self.shut_down = False
+        self._merged: set[asyncio.Queue] = set()  # running streams' queues (`_merged`), told at once
         self.tokenizer = llm.tokenizer
         self.model_name = served_model_name or llm.model_name
         self.api_key = api_key
@@ -61,6 +65,20 @@ class ServerState:
                                                "prefix_cache_hits": alloc.prefix_hit_tokens})
         self.engine = AsyncEngine(llm.loop, on_step=self.metrics.on_step, on_finish=self.metrics.on_finish)
         self.created = int(time.time())
+
+    def begin_shutdown(self) -> None:
+        """SIGTERM (on the event loop's thread): requests still running when shutdown_timeout has
+        passed are aborted and answered 503 (streams: an error event), before the server cancels
+        them (its own deadline is later: see cmd_serve)."""
+        try:
+            asyncio.get_running_loop().call_later(self.shutdown_timeout, self._shut_down)
+        except RuntimeError:  # no loop running: nothing is
+            pass
+
+    def _shut_down(self) -> None:
+        self.shut_down = True
+        for q in list(self._merged):
+            q.put_nowait((None, _SHUT_DOWN))
 
 
 class BackgroundServer:
@@ -399,6 +417,9 @@ async def _collect(request: Request, state: ServerState, handle: Handle) -> list
                                else max(0.0, min(0.5, handle.deadline - time.monotonic())))
             if task.done():
                 break
+            if state.shut_down:
+                task.cancel()
+                raise _shutdown_error()
             if handle.deadline is not None and time.monotonic() >= handle.deadline:
                 task.cancel()
                 raise _timeout_error(handle)  # (the handler below aborts the sequences)
@@ -487,6 +508,12 @@ def _chat_response(state: ServerState, handle: Handle, outs) -> dict:
 
 
 _TIMED_OUT = object()
+_SHUT_DOWN = object()
+
+
+def _shutdown_error() -> ApiError:
+    return ApiError(503, "the server shut down before the request finished; it was aborted", code="server_shutdown",
+                    headers={"Retry-After": "5"})
 
 
 async def _merged(state: ServerState, handle: Handle):
@@ -502,6 +529,9 @@ async def _merged(state: ServerState, handle: Handle):
                 return
 
     tasks = [asyncio.ensure_future(pump(i, q)) for i, q in enumerate(handle.queues)]
+    state._merged.add(merged)
+    if state.shut_down:
+        merged.put_nowait((None, _SHUT_DOWN))
     timer = None  # one timer per request puts the timeout into the same queue as the outputs
     if handle.deadline is not None:
         loop = asyncio.get_running_loop()
@@ -512,6 +542,8 @@ async def _merged(state: ServerState, handle: Handle):
             i, out = await merged.get()
             if out is _TIMED_OUT:
                 raise _timeout_error(handle)
+            if out is _SHUT_DOWN:
+                raise _shutdown_error()
             if isinstance(out, BaseException):
                 raise ApiError(503, str(out), code="engine_dead")
             if out.finished:
@@ -519,6 +551,7 @@ async def _merged(state: ServerState, handle: Handle):
                 handle.finished[i] = True
             yield i, out
     finally:
+        state._merged.discard(merged)
         if timer is not None:
             timer.cancel()
         for t in tasks:
@@ -536,7 +569,8 @@ def _stream_response(state: ServerState, events, handle: Handle) -> EventSourceR
     # not for one closed at its opening chunks or cancelled before it started. (The chat streams
     # of n >= 2 choices seen running to their end after an early disconnect were the middleware's
     # doing, see `_LimitsAndAuth`; this covers the generator's early exits whatever the cause.)
-    return EventSourceResponse(events, ping=15, shutdown_grace_period=state.shutdown_timeout,
+    # (sse-starlette's grace is half a second longer than ours: our error event goes out first)
+    return EventSourceResponse(events, ping=15, shutdown_grace_period=state.shutdown_timeout + 0.5,
                                background=BackgroundTask(_abort_unfinished, state, handle))
 
 

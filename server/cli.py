@@ -173,11 +173,20 @@ def cmd_serve(args) -> int:
     # uvicorn re-raises the signal it caught once it has shut down (so the default handler
     # would end the process "killed by SIGTERM"); a no-op handler underneath makes a graceful
     # shutdown exit 0, as orchestrators expect.
+    # At --shutdown-timeout, what still runs is aborted and answered (503, or a stream's error
+    # event: ServerState.begin_shutdown); uvicorn's own deadline, a second later, cancels the rest.
     import signal
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=args.shutdown_timeout + 1)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            if not self.should_exit:
+                state.begin_shutdown()
+            super().handle_exit(sig, frame)
+
+    Server(uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level=args.log_level,
+                          timeout_graceful_shutdown=args.shutdown_timeout + 1)).run()
     return 0
 
 

@@ -52,8 +52,17 @@ def _whole(value):
 
 
 Int = Annotated[int, BeforeValidator(_whole)]
-TokenId = Annotated[Int, Field(ge=0)]
-TokenCount = Annotated[Int, Field(ge=1)]
+
+
+def _int(**limits):
+    """An Int within limits (constraints first, so the OpenAPI schema says minimum / maximum:
+    after the validator they came out as unknown "ge" / "le" keys, which clients and the fuzz
+    tests ignore)."""
+    return Annotated[int, Field(**limits), BeforeValidator(_whole)]
+
+
+TokenId = _int(ge=0)
+TokenCount = _int(ge=1)
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 StopString = Annotated[str, StringConstraints(min_length=1)]
 TokenIdKey = Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]*)$")]  # canonical: "01" and "1" would be one key
@@ -75,7 +84,7 @@ class _Common(_Strict):
     max_tokens: TokenCount | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    n: Annotated[Int, Field(ge=1, le=MAX_N)] | None = 1
+    n: _int(ge=1, le=MAX_N) | None = 1
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
     seed: Int | None = None
     presence_penalty: Penalty | None = None
@@ -85,8 +94,8 @@ class _Common(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM-style extensions
-    top_k: Annotated[Int, Field(ge=-1)] | None = None
-    min_tokens: Annotated[Int, Field(ge=0)] | None = None
+    top_k: _int(ge=-1) | None = None
+    min_tokens: _int(ge=0) | None = None
     ignore_eos: bool | None = None
 
 
@@ -113,7 +122,7 @@ class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: TokenCount | None = None
     logprobs: bool | None = False
-    top_logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    top_logprobs: _int(ge=0, le=MAX_LOGPROBS) | None = None
     # not supported yet (structured output, tools): only their "off" values are accepted
     response_format: ResponseFormat | None = None
     tools: Annotated[list[Any], Field(max_length=0)] | None = None
@@ -124,10 +133,10 @@ class ChatRequest(_Common):
 class CompletionRequest(_Common):
     prompt: (str | Annotated[list[str], Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
-    logprobs: Annotated[Int, Field(ge=0, le=5)] | None = None
+    logprobs: _int(ge=0, le=5) | None = None
     echo: bool | None = False
     suffix: Annotated[str, Field(max_length=0)] | None = None
-    best_of: Annotated[Int, Field(ge=1, le=MAX_N)] | None = None
+    best_of: _int(ge=1, le=MAX_N) | None = None
 
 
 def sampling_params(req: _Common, max_tokens: int, logprobs: int | None, seed_offset: int) -> SamplingParams:

@@ -213,3 +213,13 @@ def test_stop_strings_without_a_tokenizer_are_refused(tiny_llama):
     with pytest.raises(ValueError, match="stop strings need a tokenizer"):
         llm.generate([[5, 6]], SamplingParams(stop=["x"]))
     assert llm.generate([[5, 6]], SamplingParams(max_tokens=2))[0].text == ""
+
+
+def test_the_published_schema_states_every_limit_as_json_schema():
+    # limits set after a validator came out as unknown "ge" / "le" keys: clients (and the fuzz
+    # tests, which then sent max_tokens 0) read no minimum at all
+    import json as _json
+    from server.protocol import ChatRequest, CompletionRequest
+    for model in (ChatRequest, CompletionRequest):
+        text = _json.dumps(model.model_json_schema())
+        assert '"ge"' not in text and '"le"' not in text and '"minimum": 1' in text

@@ -444,26 +444,40 @@ def test_sigterm_deadline_cuts_long_requests_and_still_exits_0(tiny_llama, tmp_p
     srv = ServerProcess(_serve_args(tiny_llama[0]) + ["--shutdown-timeout", "1", "--kv-cache-tokens", "65536"],
                         str(tmp_path / "server.log"), startup_timeout=180)
     try:
-        started, lines = threading.Event(), []
+        started, lines, answers = threading.Event(), [], []
+        body = {"model": "tiny", "prompt": ["x y"] * 8, "n": 16, "max_tokens": 400, "ignore_eos": True}
 
         def client():  # 8 prompts x n=16: 128 sequences of 400 tokens, far more than a second's work
             try:
-                with httpx.stream("POST", srv.url + COMP, json={"model": "tiny", "prompt": ["x y"] * 8, "n": 16,
-                                                                 "max_tokens": 400, "ignore_eos": True,
-                                                                 "stream": True}, timeout=120) as r:
+                with httpx.stream("POST", srv.url + COMP, json={**body, "stream": True}, timeout=120) as r:
                     for line in r.iter_lines():
                         lines.append(line)
                         started.set()
             except httpx.HTTPError:
                 pass
-        t = threading.Thread(target=client, daemon=True)
-        t.start()
+
+        def plain():  # and a non-streaming one beside it
+            try:
+                answers.append(httpx.post(srv.url + COMP, json={**body, "n": 2, "prompt": "z"}, timeout=120))
+            except httpx.HTTPError as e:
+                answers.append(e)
+        threads = [threading.Thread(target=f, daemon=True) for f in (client, plain)]
+        for t in threads:
+            t.start()
         assert started.wait(30)
         t0 = time.time()
         assert srv.terminate(timeout=30) == 0, srv.log_tail()
         assert time.time() - t0 < 15
-        t.join(10)
+        for t in threads:
+            t.join(10)
         assert not any("[DONE]" in line for line in lines)  # the request was cut at the deadline
+        # and told so: an error event ends the stream, the other request gets a 503 in OpenAI's
+        # shape (they had got nothing, and uvicorn's plain-text 500)
+        data = [line for line in lines if line.startswith("data:")]
+        assert json.loads(data[-1][5:])["error"]["code"] == "server_shutdown", lines[-3:]
+        r = answers[0]
+        assert isinstance(r, httpx.Response) and r.status_code == 503, r
+        assert r.json()["error"]["code"] == "server_shutdown"
     finally:
         srv.kill()
 
