@@ -61,11 +61,12 @@ class _SeqError(Exception):
 class EngineLoop:
     def __init__(self, executor: Executor, tokenizer: Tokenizer | None, allocator: BlockAllocator,
                  config: SchedulerConfig, eos_token_ids: frozenset[int], vocab_size: int,
-                 spec_tokens: int = 1, spec_slots: int = 0, budget=None, idle_work: IdleWork | None = None):
+                 spec_tokens: int = 1, spec_slots: int = 0, budget=None, idle_work: IdleWork | None = None,
+                 tree_tokens: int | None = None):
         self.executor = executor
         self.idle_work = idle_work
         self.tokenizer = tokenizer
-        self.scheduler = Scheduler(config, allocator, eos_token_ids, spec_tokens, spec_slots, budget)
+        self.scheduler = Scheduler(config, allocator, eos_token_ids, spec_tokens, spec_slots, budget, tree_tokens)
         self.num_steps = 0
         self.last_step_time: float | None = None
         self._round_start: float | None = None

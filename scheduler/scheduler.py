@@ -35,12 +35,15 @@ class SchedulerConfig:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, eos_token_ids: frozenset[int],
-                 spec_tokens: int = 1, spec_slots: int = 0, budget=None):
+                 spec_tokens: int = 1, spec_slots: int = 0, budget=None, tree_tokens: int | None = None):
         """spec_tokens: most tokens one round may emit (draft depth + 1; 1 = no speculation);
         spec_slots: scratch slots a round needs past the committed length (tree + draft);
-        budget: a `TreeBudget` choosing each round's tree sizes (None: always the full tree)."""
+        budget: a `TreeBudget` choosing each round's tree sizes (None: always the full tree);
+        tree_tokens: the configured tree, root included (None: spec_tokens), which a step's
+        trees are cut down from when max_num_batched_tokens would not hold them all."""
         self.config = config
         self.spec_tokens = spec_tokens
+        self.tree_tokens = tree_tokens or spec_tokens
         self.spec_slots = spec_slots
         self.release_scratch = True  # plain rounds give their scratch back (False: for benchmarks)
         self.budget = budget
@@ -168,6 +171,13 @@ class Scheduler:
             sizes = self.budget.choose([()] * len(decoding), caps, prefill,
                                        backlogs=[s.head_backlog for s in decoding], remaining=remaining)
             depths = getattr(self.budget, "last_depths", None) or [None] * len(decoding)
+        # the step's tokens (prefill chunks, then each tree) stay within max_num_batched_tokens:
+        # the trees share what the decodes' own tokens leave, the largest cut first
+        full = [self.tree_tokens if x is None else x for x in sizes]
+        room = self.config.max_num_batched_tokens - prefill - len(decoding)
+        if sum(f - 1 for f in full) > room:
+            sizes = [1 + x for x in _fit([f - 1 for f in full], max(room, 0))]
+            depths = [None if d is None else min(d, n - 1) for d, n in zip(depths, sizes)]
         sync = getattr(self.budget, "last_sync", None) or [True] * len(decoding)
         for s, size, depth, keep in zip(decoding, sizes, depths, sync):
             s.tree_tokens = size  # None: the engine's configured tree
@@ -263,3 +273,20 @@ class Scheduler:
             self.waiting.remove(seq)
         self.allocator.free(seq.table)
         seq.finish(reason, stop_reason)
+
+
+def _fit(wants: list[int], room: int) -> list[int]:
+    """Shares of `room` for these wants, none above its want, the largest cut first (water
+    filling: every share is min(want, level), the level as high as the room allows)."""
+    if sum(wants) <= room:
+        return list(wants)
+    level = 0
+    while sum(min(w, level + 1) for w in wants) <= room:
+        level += 1
+    out = [min(w, level) for w in wants]
+    spare = room - sum(out)
+    for i, w in enumerate(wants):  # what the level leaves: one more each, in order
+        if spare and w > level:
+            out[i] += 1
+            spare -= 1
+    return out

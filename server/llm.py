@@ -55,7 +55,7 @@ class LLM:
         self.loop = EngineLoop(self.runner, self.tokenizer, self.allocator, sched,
                                loaded.eos_token_ids, loaded.config.vocab_size,
                                spec_tokens=spec.max_depth + 1, spec_slots=spec.scratch_slots, budget=self.budget,
-                               idle_work=self if self.budget is not None else None)
+                               idle_work=self if self.budget is not None else None, tree_tokens=spec.tree_tokens)
 
     # ------------------------------------------------------------------ the tree budget's cost profile
     REPROFILE_AFTER = 10.0  # seconds from a contended profile to the next try

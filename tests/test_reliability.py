@@ -458,7 +458,7 @@ def test_sigterm_deadline_cuts_long_requests_and_still_exits_0(tiny_llama, tmp_p
 
         def plain():  # and a non-streaming one beside it
             try:
-                answers.append(httpx.post(srv.url + COMP, json={**body, "n": 2, "prompt": "z"}, timeout=120))
+                answers.append(httpx.post(srv.url + COMP, json={**body, "prompt": ["z w"] * 8}, timeout=120))
             except httpx.HTTPError as e:
                 answers.append(e)
         threads = [threading.Thread(target=f, daemon=True) for f in (client, plain)]

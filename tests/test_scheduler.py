@@ -89,6 +89,30 @@ def test_concurrent_requests_equal_one_at_a_time(tiny_llama, head_dir, spec):
         assert sum(o.spec.verify_steps for o in outs) > 0
 
 
+@pytest.mark.parametrize("budget", [False, True])
+def test_max_num_batched_tokens_bounds_a_steps_trees(tiny_llama, head_dir, budget):
+    # a decode's tree counted as one token against the step's limit: 8 sequences of 8-token
+    # trees verified 64 tokens under a limit of 20
+    reqs = workload(8, seed=2)
+    ref = one_at_a_time(LLM(tiny_llama[0], **KW, kv_cache_tokens=4096), reqs)
+    llm = LLM(tiny_llama[0], **KW, kv_cache_tokens=4096, draft=head_dir, max_num_seqs=8, max_num_batched_tokens=20,
+              spec=SpecConfig("eagle2", total_tokens=8, depth=4, top_k=3), tree_budget=budget)
+    if budget:
+        llm.loop.scheduler.budget = FixedBudget(8, 4)  # (a random head: the real one may not speculate)
+    sizes, real = [], llm.runner.execute
+
+    def execute(steps):
+        results = real(steps)
+        sizes.append(sum(len(s.token_ids) for s in steps)
+                     + sum(r.num_draft_tokens for r in results if not isinstance(r, BaseException)))
+        return results
+    llm.runner.execute = execute
+    outs = asyncio.run(run_concurrently(llm, reqs))
+    assert [o.token_ids for o in outs] == ref
+    assert max(sizes) <= 20 and max(sizes) >= 16, sizes  # (the limit was reached: trees were cut to it)
+    assert sum(o.spec.verify_steps for o in outs) > 0
+
+
 def test_small_cache_completes_through_preemption(tiny_llama, head_dir):
     reqs = workload(8, seed=1)
     ref = one_at_a_time(LLM(tiny_llama[0], **KW, kv_cache_tokens=4096), reqs)
