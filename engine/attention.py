@@ -96,19 +96,22 @@ class NativeCPUAttention(TorchAttention):
         self.kernels = kernels
 
     def forward(self, q, k, v, layer, batch, kv):
-        if batch.max_query_len > self.MAX_QUERIES and batch.num_seqs == 1:
+        # prompt chunks always take SDPA (ForwardBatch.prompt_seqs): a prompt's tail left by a
+        # prefix-cache hit rounds as it did within the whole prompt
+        prompt = batch.prompt
+        if (batch.max_query_len > self.MAX_QUERIES or prompt) and batch.num_seqs == 1:
             return super().forward(q, k, v, layer, batch, kv)
         k_cache, v_cache = kv.store(layer, batch.slot_mapping, k, v)
         gather = batch.kv_gather.view(batch.num_seqs, batch.max_kv_len)
-        if batch.max_query_len <= self.MAX_QUERIES:
+        if batch.max_query_len <= self.MAX_QUERIES and not prompt:
             return self.kernels.paged_attention(q.contiguous(), k_cache, v_cache, gather, batch.kv_lens,
                                                 batch.q_seq, batch.q_row, batch.mask_3d(), self.scale)
         return self._mixed(q, k_cache, v_cache, gather, batch)
 
     def _mixed(self, q, k_cache, v_cache, gather, batch):
         """Prefill chunks batched with decodes: a padded grid would be [B, Q, L] for the
-        longest chunk's Q. Long sequences attend alone (SDPA, no padding); the short ones go
-        through the native kernel together."""
+        longest chunk's Q. Prompt chunks and long sequences attend alone (SDPA, no padding);
+        the others go through the native kernel together."""
         T, H, D = q.shape
         out = q.new_empty(T, H * D)
         counts = torch.bincount(batch.q_seq, minlength=batch.num_seqs).tolist()
@@ -117,9 +120,10 @@ class NativeCPUAttention(TorchAttention):
             starts.append(starts[-1] + c)
         kv_lens = batch.kv_lens.tolist()
         mask = batch.mask_3d()
-        small = [b for b, c in enumerate(counts) if c <= self.MAX_QUERIES]
+        alone = [c > self.MAX_QUERIES or bool(p) for c, p in zip(counts, batch.prompt_seqs or [False] * len(counts))]
+        small = [b for b in range(len(counts)) if not alone[b]]
         for b, c in enumerate(counts):
-            if c <= self.MAX_QUERIES:
+            if not alone[b]:
                 continue
             slots = gather[b, :kv_lens[b]]
             keys = k_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]

@@ -22,6 +22,25 @@ ROW_LAYOUT_MAX_ROWS = 4
 SKINNY_MAX_ROWS = PACKED_MAX_ROWS  # the most rows any native path takes
 
 
+_onednn_only = False  # set for a forward of prompt tokens (`onednn_only`): no native linear
+
+
+class onednn_only:
+    """Within it, every Linear takes oneDNN (or F.linear), whatever its row count: the forwards
+    of prompt tokens (ForwardBatch.prompt), whose rounding must not depend on their size."""
+
+    def __init__(self, on: bool = True):
+        self.on = on
+
+    def __enter__(self):
+        global _onednn_only
+        self.prev, _onednn_only = _onednn_only, self.on or _onednn_only
+
+    def __exit__(self, *exc):
+        global _onednn_only
+        _onednn_only = self.prev
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b). On the CPU in float32/bfloat16, `prepack()` sets up two faster paths
     than F.linear (MKL reads weights at ~10 GB/s for one-row inputs on these AMD machines):
@@ -54,7 +73,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor, float_out: bool = False) -> torch.Tensor:
         """float_out: return float32 (where the native kernel runs, straight from its float32
         accumulator, not rounded through the weight dtype)."""
-        if x.shape[0] <= self.native_max_rows:
+        if x.shape[0] <= self.native_max_rows and not _onednn_only:
             return self._skinny(x.contiguous(), self.native_weight, self.bias, float_out)
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")

@@ -226,8 +226,9 @@ class ModelRunner:
 
     @staticmethod
     def _span(step: SeqStep, tree: DraftTree) -> SeqSpan:
-        if len(tree) == 1:
-            return SeqSpan(step.token_ids, step.num_cached, step.block_table)
+        if len(tree) == 1:  # (prompt tokens: a chunk, or a prompt's one uncomputed token)
+            return SeqSpan(step.token_ids, step.num_cached, step.block_table,
+                           prompt=len(step.token_ids) > 1 or not step.output_token_ids)
         assert len(step.token_ids) == 1, "trees follow a single uncomputed token"
         return SeqSpan(tree.tokens, step.num_cached, step.block_table,
                        positions=[step.num_cached + d for d in tree.depths], tree_mask=tree.ancestor_mask())

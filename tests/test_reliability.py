@@ -476,7 +476,7 @@ def test_sigterm_deadline_cuts_long_requests_and_still_exits_0(tiny_llama, tmp_p
         data = [line for line in lines if line.startswith("data:")]
         assert json.loads(data[-1][5:])["error"]["code"] == "server_shutdown", lines[-3:]
         r = answers[0]
-        assert isinstance(r, httpx.Response) and r.status_code == 503, r
+        assert isinstance(r, httpx.Response) and r.status_code == 503, (r, r.text[:600], srv.log_tail())
         assert r.json()["error"]["code"] == "server_shutdown"
     finally:
         srv.kill()
