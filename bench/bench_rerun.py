@@ -5,14 +5,15 @@ only its tail is computed, in a forward of a few rows) give the same tokens as t
 For each dtype, the default model without speculation decodes --prompts MT-bench first turns
 (greedy, --max-new tokens), then decodes them all again on the same engine. Prints and saves,
 per dtype, the prompt tokens the rerun found cached and how many reruns matched token for token.
-A forward of a few rows takes other kernels (the native few-row GEMV) than a whole prompt's (the
-bf16 GEMM), so in bfloat16 their roundings differ and greedy decoding can part at a near-tie;
-float32 is expected to match (the same holds for batch invariance: README, Use).
+A forward of a few rows takes other kernels (the native few-row linears and paged attention) than
+a long prompt's (oneDNN's GEMM, SDPA), so in bfloat16 their roundings differ and greedy decoding
+can part at a near-tie; a prompt chunk therefore takes the kernels its whole prompt would.
 
 Then what that costs: the time to first token (prefill + first sample, bf16, no prefix cache)
-of random prompts of --sizes tokens with prompt forwards as they run (oneDNN and SDPA whatever
-their size) against the native kernels their size would pick (the prompt flag forced off),
-alternating, --repeats times each (medians).
+of random prompts of --sizes tokens with prompt forwards as they run (a chunk takes the kernels
+its whole prompt's length picks) against kernels picked by the chunk's own rows (the prompt
+length forced to 0), alternating, --repeats times each (medians). Without a cache hit a prompt
+is one chunk, so the two should cost the same.
 
     .venv/bin/python bench/bench_rerun.py [--dtypes bfloat16,float32] [--prompts 12] [--max-new 64]
 Writes --out (bench/results/rerun.json).
@@ -75,7 +76,7 @@ def prompt_cost(sizes: list[int], repeats: int) -> dict:
     llm = LLM(None, spec=SpecConfig("none"), tree_budget=False, dtype="bfloat16", kv_cache_tokens=16384,
               enable_prefix_caching=False)
     real = ModelRunner._span
-    size_chosen = staticmethod(lambda step, tree: dataclasses.replace(real(step, tree), prompt=False))
+    size_chosen = staticmethod(lambda step, tree: dataclasses.replace(real(step, tree), prompt_len=0))
     rng, one, out = random.Random(0), SamplingParams(max_tokens=1, temperature=0), {}
     try:
         for n in sizes:

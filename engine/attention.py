@@ -96,22 +96,22 @@ class NativeCPUAttention(TorchAttention):
         self.kernels = kernels
 
     def forward(self, q, k, v, layer, batch, kv):
-        # prompt chunks always take SDPA (ForwardBatch.prompt_seqs): a prompt's tail left by a
-        # prefix-cache hit rounds as it did within the whole prompt
-        prompt = batch.prompt
-        if (batch.max_query_len > self.MAX_QUERIES or prompt) and batch.num_seqs == 1:
+        # a prompt chunk goes as its whole prompt would (ForwardBatch.prompt_lens): the tail a
+        # prefix-cache hit leaves rounds as it did within the whole prompt
+        long_prompt = max(batch.prompt_lens, default=0) > self.MAX_QUERIES
+        if (batch.max_query_len > self.MAX_QUERIES or long_prompt) and batch.num_seqs == 1:
             return super().forward(q, k, v, layer, batch, kv)
         k_cache, v_cache = kv.store(layer, batch.slot_mapping, k, v)
         gather = batch.kv_gather.view(batch.num_seqs, batch.max_kv_len)
-        if batch.max_query_len <= self.MAX_QUERIES and not prompt:
+        if batch.max_query_len <= self.MAX_QUERIES and not long_prompt:
             return self.kernels.paged_attention(q.contiguous(), k_cache, v_cache, gather, batch.kv_lens,
                                                 batch.q_seq, batch.q_row, batch.mask_3d(), self.scale)
         return self._mixed(q, k_cache, v_cache, gather, batch)
 
     def _mixed(self, q, k_cache, v_cache, gather, batch):
         """Prefill chunks batched with decodes: a padded grid would be [B, Q, L] for the
-        longest chunk's Q. Prompt chunks and long sequences attend alone (SDPA, no padding);
-        the others go through the native kernel together."""
+        longest chunk's Q. Long chunks and chunks of long prompts attend alone (SDPA, no
+        padding); the others go through the native kernel together."""
         T, H, D = q.shape
         out = q.new_empty(T, H * D)
         counts = torch.bincount(batch.q_seq, minlength=batch.num_seqs).tolist()
@@ -120,7 +120,7 @@ class NativeCPUAttention(TorchAttention):
             starts.append(starts[-1] + c)
         kv_lens = batch.kv_lens.tolist()
         mask = batch.mask_3d()
-        alone = [c > self.MAX_QUERIES or bool(p) for c, p in zip(counts, batch.prompt_seqs or [False] * len(counts))]
+        alone = [max(c, p) > self.MAX_QUERIES for c, p in zip(counts, batch.prompt_lens or [0] * len(counts))]
         small = [b for b in range(len(counts)) if not alone[b]]
         for b, c in enumerate(counts):
             if not alone[b]:

@@ -26,7 +26,7 @@ class SeqSpan:
     # new token i sees key j. Keys before those are seen by all; None: causal.
     tree_mask: torch.Tensor | None = None
     num_masked_cached: int = 0
-    prompt: bool = False  # prompt tokens (a prefill chunk): see ForwardBatch.prompt
+    prompt_len: int = 0  # prompt tokens (a prefill chunk): the whole prompt's length (see ForwardBatch.prompt_lens)
 
 
 @dataclass
@@ -45,16 +45,18 @@ class ForwardBatch:
     q_row: torch.Tensor  # [T] int64 row of each query within its sequence (mask row)
     cos: torch.Tensor | None = None  # [T, head_dim], set by the model from `positions`
     sin: torch.Tensor | None = None
-    # which sequences' spans hold prompt tokens: their attention takes SDPA and the forward's
-    # linears oneDNN, whatever the row count. A prompt's KV must not depend on how much of it a
-    # prefix-cache hit left to compute: the few-row native kernels round bf16 differently from
-    # oneDNN's GEMM and SDPA, and a greedy rerun of a cached prompt parted from the first run
-    # (bench/bench_rerun.py)
-    prompt_seqs: tuple[bool, ...] = ()
+    # per sequence, the whole prompt's length where its span holds prompt tokens (else 0): a
+    # prompt chunk takes the kernels its whole prompt would (the attention and the forward's
+    # linears pick by row count as if the chunk were that long). A prompt's KV must not depend
+    # on how much of it a prefix-cache hit left to compute: the few-row native kernels round
+    # bf16 differently from oneDNN's GEMM and SDPA, and a greedy rerun of a cached prompt
+    # parted from the first run (bench/bench_rerun.py)
+    prompt_lens: tuple[int, ...] = ()
 
     @property
-    def prompt(self) -> bool:
-        return any(self.prompt_seqs)
+    def rows_as(self) -> int:
+        """The row count kernels are picked by: the rows, or the longest prompt in the batch."""
+        return max(self.input_ids.shape[0], max(self.prompt_lens, default=0))
 
     def mask_3d(self) -> torch.Tensor:
         """The mask as the native kernels take it: [B, Q, L], or empty for 'every key'."""
@@ -105,7 +107,7 @@ def build_forward_batch(spans: list[SeqSpan], block_size: int, device: torch.dev
         attn_mask=None if mask is None else t(mask),
         q_index=None if q_index is None else t(q_index),
         num_seqs=B, max_query_len=Q, max_kv_len=L, kv_lens=t(kv_lens), q_seq=t(q_seq), q_row=t(q_row),
-        prompt_seqs=tuple(s.prompt for s in spans))
+        prompt_lens=tuple(s.prompt_len for s in spans))
 
 
 def _attention_mask(spans, n_cached, n_new, Q, L) -> np.ndarray | None:

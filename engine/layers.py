@@ -22,23 +22,24 @@ ROW_LAYOUT_MAX_ROWS = 4
 SKINNY_MAX_ROWS = PACKED_MAX_ROWS  # the most rows any native path takes
 
 
-_onednn_only = False  # set for a forward of prompt tokens (`onednn_only`): no native linear
+_rows_as = 0  # within `rows_as`: linears pick their kernel as if their input had at least this many rows
 
 
-class onednn_only:
-    """Within it, every Linear takes oneDNN (or F.linear), whatever its row count: the forwards
-    of prompt tokens (ForwardBatch.prompt), whose rounding must not depend on their size."""
+class rows_as:
+    """Within it, every Linear picks its kernel (native or oneDNN) as if its input had at least
+    `rows` rows: a forward of prompt tokens, whose rounding must be the one its whole prompt
+    gets (ForwardBatch.prompt_lens)."""
 
-    def __init__(self, on: bool = True):
-        self.on = on
+    def __init__(self, rows: int):
+        self.rows = rows
 
     def __enter__(self):
-        global _onednn_only
-        self.prev, _onednn_only = _onednn_only, self.on or _onednn_only
+        global _rows_as
+        self.prev, _rows_as = _rows_as, max(self.rows, _rows_as)
 
     def __exit__(self, *exc):
-        global _onednn_only
-        _onednn_only = self.prev
+        global _rows_as
+        _rows_as = self.prev
 
 
 class Linear(nn.Module):
@@ -73,7 +74,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor, float_out: bool = False) -> torch.Tensor:
         """float_out: return float32 (where the native kernel runs, straight from its float32
         accumulator, not rounded through the weight dtype)."""
-        if x.shape[0] <= self.native_max_rows and not _onednn_only:
+        if max(x.shape[0], _rows_as) <= self.native_max_rows:
             return self._skinny(x.contiguous(), self.native_weight, self.bias, float_out)
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")

@@ -227,8 +227,9 @@ class ModelRunner:
     @staticmethod
     def _span(step: SeqStep, tree: DraftTree) -> SeqSpan:
         if len(tree) == 1:  # (prompt tokens: a chunk, or a prompt's one uncomputed token)
+            prompt = len(step.token_ids) > 1 or not step.output_token_ids
             return SeqSpan(step.token_ids, step.num_cached, step.block_table,
-                           prompt=len(step.token_ids) > 1 or not step.output_token_ids)
+                           prompt_len=len(step.prompt_token_ids) + len(step.output_token_ids) if prompt else 0)
         assert len(step.token_ids) == 1, "trees follow a single uncomputed token"
         return SeqSpan(tree.tokens, step.num_cached, step.block_table,
                        positions=[step.num_cached + d for d in tree.depths], tree_mask=tree.ancestor_mask())

@@ -462,9 +462,15 @@ def test_sigterm_deadline_cuts_long_requests_and_still_exits_0(tiny_llama, tmp_p
             except httpx.HTTPError as e:
                 answers.append(e)
         threads = [threading.Thread(target=f, daemon=True) for f in (client, plain)]
-        for t in threads:
-            t.start()
+        threads[0].start()
         assert started.wait(30)
+        threads[1].start()  # once the stream runs: queued behind it, it cannot finish in the second
+        deadline = time.time() + 30
+        while time.time() < deadline:  # both requests' 256 sequences are in
+            m = parse_metrics(httpx.get(srv.url + "/metrics").text)
+            if m["eagle_serve_requests_running"] + m["eagle_serve_requests_waiting"] >= 256:
+                break
+            time.sleep(0.05)
         t0 = time.time()
         assert srv.terminate(timeout=30) == 0, srv.log_tail()
         assert time.time() - t0 < 15
@@ -476,7 +482,7 @@ def test_sigterm_deadline_cuts_long_requests_and_still_exits_0(tiny_llama, tmp_p
         data = [line for line in lines if line.startswith("data:")]
         assert json.loads(data[-1][5:])["error"]["code"] == "server_shutdown", lines[-3:]
         r = answers[0]
-        assert isinstance(r, httpx.Response) and r.status_code == 503, (r, r.text[:600], srv.log_tail())
+        assert isinstance(r, httpx.Response) and r.status_code == 503, (r, getattr(r, "text", "")[:800])
         assert r.json()["error"]["code"] == "server_shutdown"
     finally:
         srv.kill()

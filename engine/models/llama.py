@@ -15,7 +15,7 @@ from engine.attention import AttentionBackend
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVCache
 from engine import kernels
-from engine.layers import FAST_DTYPES, Linear, RMSNorm, RotaryEmbedding, apply_rope, onednn_only
+from engine.layers import FAST_DTYPES, Linear, RMSNorm, RotaryEmbedding, apply_rope, rows_as
 from engine.model_config import ModelConfig
 
 
@@ -101,10 +101,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, kv: KVCache, backend: AttentionBackend) -> torch.Tensor:
         """Final-norm hidden states [T, hidden] of every new token (with aux layers set: [T,
         (1 + n) hidden], see set_aux_layers)."""
-        if self._stack is not None and batch.input_ids.shape[0] <= self._stack_max_rows and backend.name == "native" \
-                and not batch.prompt:
+        rows = batch.rows_as  # (a prompt chunk: its whole prompt's, see ForwardBatch.prompt_lens)
+        if self._stack is not None and rows <= self._stack_max_rows and backend.name == "native":
             return self._native_forward(batch, kv)
-        with onednn_only(batch.prompt):  # (a prompt's rounding must not depend on its size: ForwardBatch.prompt)
+        with rows_as(rows):
             hidden, aux = self.forward_aux(batch, kv, backend, self.aux_layers)
         return hidden if aux is None else torch.cat([hidden, aux], dim=-1)
 
