@@ -212,8 +212,9 @@ class ModelRunner:
         depths = [min(self.spec.max_depth, s.max_new_tokens - 1,
                       s.tree_depth if s.tree_depth is not None
                       else self.spec.max_depth if s.tree_tokens is None else s.tree_tokens - 1) for s in steps]
-        # decoding: a sampled one-token step past a computed prefix (not a one-token prompt chunk)
-        decodes = [len(s.token_ids) == 1 and s.num_cached > 0 and s.sample for s in steps]
+        # decoding: a sampled one-token step past a computed prefix that has output already (not
+        # a one-token prompt chunk, nor a prompt's last token after a prefix-cache hit)
+        decodes = [len(s.token_ids) == 1 and s.num_cached > 0 and s.sample and bool(s.output_token_ids) for s in steps]
         decoding = [i for i, d in enumerate(decodes) if d and depths[i] > 0]
         idle = [s for i, (s, d) in enumerate(zip(steps, decodes)) if d and depths[i] <= 0]
         if idle:  # called even when every one is retired: the drafter counts rounds without a draft

@@ -118,7 +118,6 @@ class BlockAllocator:
         the number of tokens now committed from the cache."""
         if table.blocks:
             raise ValueError("match_prefix needs an empty block table")
-        self.prefix_queried_tokens += len(hashes) * self.block_size
         if not self.enable_prefix_caching:
             return 0
         for h in hashes:
@@ -131,8 +130,13 @@ class BlockAllocator:
             table.blocks.append(block)
         table.num_committed = table.num_registered = len(table.blocks)
         table.num_committed *= self.block_size
-        self.prefix_hit_tokens += table.num_committed
         return table.num_committed
+
+    def count_lookup(self, queried: int, hit: int) -> None:
+        """A sequence admitted with a prefix lookup of `queried` tokens, `hit` of them cached (the
+        counters behind the prefix-cache metrics; the scheduler counts admissions, not attempts)."""
+        self.prefix_queried_tokens += queried
+        self.prefix_hit_tokens += hit
 
     def cached(self, h: int) -> bool:
         return h in self._by_hash

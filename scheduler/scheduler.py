@@ -68,16 +68,21 @@ class Scheduler:
         inflight = {h for s in scheduled if s.num_uncomputed > 1 for h in self._new_hashes(s)}
         while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
             seq = self.waiting[0]
+            looked_up = 0
             if seq.table.num_committed == 0 and not seq.table.blocks:
                 hashes = seq.block_hashes(self.allocator.block_size, seq.num_tokens - 1)
                 nxt = len([h for h in hashes if self.allocator.cached(h)])
                 if nxt < len(hashes) and hashes[nxt] in inflight and scheduled:
                     break  # its next block is being computed now: take it from the cache next step
                 self.allocator.match_prefix(seq.table, hashes)
+                looked_up = len(hashes) * self.allocator.block_size
             n = min(seq.num_uncomputed, self.config.max_prefill_chunk, budget)
-            # everything but the last token came from the cache: it decodes (and may speculate);
-            # not a one-token chunk of a longer remainder (the budget left room for one token)
-            slots = self._slots(seq) if seq.num_uncomputed == 1 and seq.table.num_committed > 0 else n
+            # everything but the last token came from the cache: a recomputed sequence's last
+            # output token decodes (and may speculate); a prompt's last token is computed as a
+            # prompt (no draft on it: its rounding must be the whole prompt's, see
+            # ForwardBatch.prompt_lens), and so is a one-token chunk of a longer remainder
+            slots = self._slots(seq) if seq.num_uncomputed == 1 and seq.table.num_committed > 0 \
+                and seq.output_token_ids else n
             if not self.allocator.can_reserve(seq.table, slots):
                 if not scheduled and not self.running:
                     self.allocator.free(seq.table)
@@ -87,6 +92,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.allocator.reserve(seq.table, slots)
+            if looked_up:  # counted once admitted (a sequence that waits for room is looked up every step)
+                self.allocator.count_lookup(looked_up, seq.table.num_committed)
             seq.status = SequenceStatus.RUNNING
             seq.num_scheduled, seq.tree_tokens, seq.tree_depth, seq.restart = n, None, None, True
             self.running.append(seq)
@@ -149,8 +156,9 @@ class Scheduler:
         # decoding: its one uncomputed token is all it has left; a one-token prompt chunk (a
         # prefill budget with one token of room) is not, and was given a tree, with one slot
         # reserved for it
-        for s in scheduled:
-            s.decoding = s.num_scheduled == 1 and s.num_uncomputed == 1 and s.table.num_committed > 0
+        for s in scheduled:  # (a prompt's last token, the rest from the prefix cache, is not: it has no output yet)
+            s.decoding = s.num_scheduled == 1 and s.num_uncomputed == 1 and s.table.num_committed > 0 \
+                and bool(s.output_token_ids)
         decoding = [s for s in scheduled if s.decoding]
         if self.spec_tokens <= 1 or not decoding:
             return

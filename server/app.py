@@ -71,9 +71,11 @@ class ServerState:
         passed are aborted and answered 503 (streams: an error event), before the server cancels
         them (its own deadline is later: see cmd_serve)."""
         try:
-            asyncio.get_running_loop().call_later(self.shutdown_timeout, self._shut_down)
+            loop = asyncio.get_running_loop()
         except RuntimeError:  # no loop running: nothing is
-            pass
+            return
+        # (from a signal handler: the thread-safe call wakes the selector to take the timer in)
+        loop.call_soon_threadsafe(loop.call_later, self.shutdown_timeout, self._shut_down)
 
     def _shut_down(self) -> None:
         self.shut_down = True

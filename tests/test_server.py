@@ -328,8 +328,8 @@ def test_metrics_are_consistent_with_responses(tiny_llama, head_dir):
         assert 'eagle_serve_spec_accepted_tokens_per_depth_total{depth="1"}' in m0
         c = srv.client()
         total = 0
-        for i in range(3):  # (no prefix in common: each first token comes from its prefill)
-            r = c.completions.create(model="tiny", prompt=f"{i} the quick brown", max_tokens=10 + i, temperature=0,
+        for i in range(3):  # (a prefix in common: a prompt's last token after a cache hit is not a decode step)
+            r = c.completions.create(model="tiny", prompt=f"the quick brown {i}", max_tokens=10 + i, temperature=0,
                                      extra_body={"ignore_eos": True})
             total += r.usage.completion_tokens
         m = srv.metrics()

@@ -447,7 +447,10 @@ def test_ctrl_c_saves_the_training_state_and_the_same_command_resumes(tiny_llama
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
 
     def interrupted_after(mark: str):
-        proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
+        # (SIGINT back to its default: a shell that runs the tests in the background ignores it,
+        # and a child that inherits SIG_IGN gets no KeyboardInterrupt)
+        proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         seen = []
         for line in proc.stderr:  # training is under way once this line is out
             seen.append(line)

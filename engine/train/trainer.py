@@ -157,7 +157,8 @@ def train_draft(cfg: TrainConfig, log=print) -> dict:
             raise DataError(f"--init {cfg.init} fuses target layers {list(init_aux)}; pass --aux-layers "
                             f"{','.join(map(str, init_aux))} (got {list(cfg.aux_layers) or 'none'})")
     convs = load_conversations(cfg.data, cfg.max_conversations)
-    check_token_ids(convs, loaded.config.vocab_size, cfg.data)
+    if not cfg.regenerate:  # (regeneration replaces the assistant turns, ids and all)
+        check_token_ids(convs, loaded.config.vocab_size, cfg.data)
     log(f"data: {len(convs)} conversations from {cfg.data}")
     if cfg.regenerate:
         convs = regenerate(cfg, convs, log)
