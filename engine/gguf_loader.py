@@ -61,8 +61,23 @@ def gguf_config(reader, path: str) -> dict:
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
     }
+    rotary = _field(reader, p + "rope.dimension_count")
+    key_len = _field(reader, p + "attention.key_length")
+    if rotary is not None and key_len is not None and rotary != key_len:
+        raise UnsupportedModel(f"{path}: partial rotary embeddings (rope.dimension_count {rotary} of a "
+                               f"{key_len}-wide head) are not supported")
+    if key_len is not None:
+        cfg["head_dim"] = key_len
     if _field(reader, p + "rope.scaling.type") not in (None, "none"):
         raise UnsupportedModel(f"{path}: GGUF rope scaling is not supported")
+    # llama.cpp writes Llama 3.1's RoPE scaling as a tensor of per-frequency factors (no
+    # rope.scaling.* keys); left out, the model ran unscaled RoPE and its logits were wrong
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:
+        factors = [float(x) for x in np.array(freqs.data, dtype=np.float32).reshape(-1)]
+        if len(factors) != cfg["head_dim"] // 2:
+            raise UnsupportedModel(f"{path}: rope_freqs has {len(factors)} factors for a head of {cfg['head_dim']}")
+        cfg["rope_scaling"] = {"rope_type": "freq_factors", "factors": factors}
     return cfg
 
 
@@ -83,7 +98,7 @@ def gguf_tensors(reader, cfg: dict) -> Iterator[tuple[str, torch.Tensor]]:
         elif base in TOP_NAMES:
             name = f"{TOP_NAMES[base]}.{suffix}"
         else:
-            continue  # e.g. rope_freqs: derived from the config here
+            continue  # rope_freqs: read into the config's rope scaling (gguf_config)
         w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))  # own, writable copy
         if name.endswith("q_proj.weight"):
             w = unpermute(w, cfg["num_attention_heads"])

@@ -110,6 +110,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
     kind = scaling.get("rope_type", "default")
     if kind == "linear":
         return inv / scaling["factor"]
+    if kind == "freq_factors":  # llama.cpp's rope_freqs: each frequency divided by its factor
+        return inv / torch.tensor(scaling["factors"], dtype=torch.float32)
     if kind == "llama3":
         # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
         factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]

@@ -10,7 +10,8 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
 }
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# freq_factors: per-frequency divisors, as a GGUF's rope_freqs tensor gives them (engine/gguf_loader.py)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 
 
 class UnsupportedModel(ValueError):

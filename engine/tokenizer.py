@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass
 
 import jinja2
+import jinja2.ext
+import jinja2.nodes
 import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -26,6 +28,7 @@ class Tokenizer:
     chat_template: str | None = None
     bos_token: str | None = None
     eos_token: str | None = None
+    _byte_level: bool | None = None
 
     @classmethod
     def from_dir(cls, path: str) -> Tokenizer:
@@ -61,26 +64,48 @@ class Tokenizer:
 
     def token_bytes(self, token_id: int) -> bytes:
         """The exact bytes a token stands for (byte-level BPE or SentencePiece byte fallback);
-        a token that is part of a multi-byte character gives just its own bytes."""
+        a token that is part of a multi-byte character gives just its own bytes. Which kind of
+        tokenizer it is comes from its decoder, once: GPT-2's byte alphabet holds printable ASCII
+        and Latin-1, so reading a SentencePiece piece through it turned "é" into one byte 0xE9
+        and "<0x0A>" into six characters."""
         piece = self.backend.id_to_token(token_id)
         if piece is None:
             return b""
-        table = _byte_decoder()
-        if all(ch in table for ch in piece):
-            return bytes(table[ch] for ch in piece)
         if piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6:
-            return bytes([int(piece[3:5], 16)])
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        table = _byte_decoder()
+        if self.byte_level and all(ch in table for ch in piece):
+            return bytes(table[ch] for ch in piece)
         return piece.replace("\u2581", " ").encode("utf-8")
+
+    @property
+    def byte_level(self) -> bool:
+        """Whether pieces are written in GPT-2's byte alphabet (a ByteLevel decoder)."""
+        if self._byte_level is None:
+            try:
+                decoder = json.loads(self.backend.to_str()).get("decoder") or {}
+            except (ValueError, AttributeError):
+                decoder = {}
+            self._byte_level = "ByteLevel" in json.dumps(decoder)
+        return self._byte_level
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise TemplateError("this model has no chat template; send a plain prompt instead")
         try:
-            return _compile(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+            template = _compile(self.chat_template)
         except jinja2.TemplateError as e:
-            raise TemplateError(f"chat template failed: {e}") from e
+            raise TemplateError(f"chat template does not compile: {e}") from e
+        try:
+            return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                   bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except TemplateError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a template's own failure (jinja's, or a TypeError inside it) is the request's 400
+            raise TemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
@@ -115,12 +140,29 @@ _TEMPLATES: dict[str, jinja2.Template] = {}
 def _compile(source: str) -> jinja2.Template:
     if source not in _TEMPLATES:
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, ensure_ascii=False, indent=indent)
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _GenerationTag])
+        env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
         _TEMPLATES[source] = env.from_string(source)
     return _TEMPLATES[source]
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    """HF's tojson filter: its options passed through (they had been dropped)."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}`: marks assistant text for training masks in HF's
+    templates; rendering keeps its body (templates using it had failed to compile)."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body).set_lineno(lineno)
 
 
 def _read_json(path: str) -> dict:
@@ -146,7 +188,14 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], context: int = 5):
         self.tokenizer = tokenizer
-        self.ids = list(prompt_ids[-context:])
+        seed = list(prompt_ids[-context:])
+        # a seed that ends inside a character (a token-id prompt cut mid-character) would hide
+        # the output token that completes it: the completed character is no longer than its
+        # U+FFFD, so the first delta was held back and then sliced past. The seed stops at the
+        # last whole character (the output's first delta then starts with the completed one).
+        while seed and tokenizer.decode(seed).endswith("\ufffd"):
+            seed.pop()
+        self.ids = seed
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
 

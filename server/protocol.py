@@ -170,7 +170,8 @@ def chat_inputs(req: ChatRequest) -> tuple[list[dict], int | None, int | None]:
         raise ApiError(400, "max_tokens and max_completion_tokens differ; give one", "max_completion_tokens")
     messages = []
     for m in req.messages:
-        content = "".join(p.text for p in m.content) if isinstance(m.content, list) else m.content
+        # text parts joined by newlines, as vLLM joins them
+        content = "\n".join(p.text for p in m.content) if isinstance(m.content, list) else m.content
         messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
     top = None
     if req.logprobs:

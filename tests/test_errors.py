@@ -223,3 +223,10 @@ def test_the_published_schema_states_every_limit_as_json_schema():
     for model in (ChatRequest, CompletionRequest):
         text = _json.dumps(model.model_json_schema())
         assert '"ge"' not in text and '"le"' not in text and '"minimum": 1' in text
+
+
+def test_text_parts_are_joined_by_newlines_as_vllm_joins_them():
+    from server.protocol import ChatRequest, chat_inputs
+    req = ChatRequest(model="m", messages=[{"role": "user", "content": [{"type": "text", "text": "First part."},
+                                                                         {"type": "text", "text": "Second part."}]}])
+    assert chat_inputs(req)[0][0]["content"] == "First part.\nSecond part."

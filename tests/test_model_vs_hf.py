@@ -119,3 +119,70 @@ def test_greedy_generation_matches_hf_generate(tiny_llama, tiny_llm):
             ref = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
                               min_new_tokens=24, pad_token_id=0)[0, len(prompt):].tolist()
         assert out.token_ids == ref
+
+
+def test_a_gguf_with_rope_freqs_applies_them_as_llama3_scaling(tmp_path):
+    # llama.cpp writes Llama 3.1's RoPE scaling as a rope_freqs tensor of per-frequency factors,
+    # with no rope.scaling.* keys; the loader skipped it and ran unscaled RoPE (logits off by ~5
+    # on a tiny model against HF's llama3-scaled reference)
+    import math
+    import numpy as np
+    gguf = pytest.importorskip("gguf")
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
+    hf = full_precision_norms(write_tiny_model(str(tmp_path / "hf"), tokenizer=False, rope_scaling=scaling,
+                                               dtype=torch.float32)).float()
+    cfg = hf.config
+    heads, kv_heads, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    theta = getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]
+    factors = []  # what llama.cpp's converter writes for llama3 scaling
+    for f in (1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)).tolist():
+        wavelen, old = 2 * math.pi / f, scaling["original_max_position_embeddings"]
+        if wavelen < old / scaling["high_freq_factor"]:
+            factors.append(1.0)
+        elif wavelen > old / scaling["low_freq_factor"]:
+            factors.append(scaling["factor"])
+        else:
+            s = (old / wavelen - scaling["low_freq_factor"]) / (scaling["high_freq_factor"] - scaling["low_freq_factor"])
+            factors.append(1 / ((1 - s) / scaling["factor"] + s))
+    path = str(tmp_path / "llama3.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_dimension_count(hd)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(theta)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    sub = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+           "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+           "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+    def permute(t, n):  # llama.cpp's q/k row order
+        return t.reshape(n, 2, t.shape[0] // n // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+    for name, t in hf.state_dict().items():
+        if name in top:
+            w.add_tensor(top[name], t.numpy())
+            continue
+        parts = name.split(".")
+        kind = ".".join(parts[3:-1])
+        t = permute(t, heads) if kind == "self_attn.q_proj" else permute(t, kv_heads) if kind == "self_attn.k_proj" else t
+        w.add_tensor(f"blk.{parts[2]}.{sub[kind]}.weight", t.numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ours = load_model(path, torch.float32, torch.device("cpu"), skip_tokenizer=True)
+    assert ours.config.rope_scaling["rope_type"] == "freq_factors"
+    runner = PagedRunner(ours)
+    runner.kv = KVCache(ours.config.num_layers, 96, BLOCK, ours.config.num_kv_heads, ours.config.head_dim,
+                        torch.float32, torch.device("cpu"))
+    ids = [random.Random(1).randrange(cfg.vocab_size) for _ in range(40)]
+    (logits,) = runner.forward([SeqSpan(ids, 0, runner.table(len(ids), []))])
+    assert (logits - hf_logits(hf, ids)).abs().max().item() < 1e-4

@@ -1,0 +1,84 @@
+"""The tokenizer's own pieces: token bytes, incremental detokenization, the chat template
+environment (tiny tokenizers built here; no model)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+from engine.tokenizer import IncrementalDetokenizer, TemplateError, Tokenizer
+from tests.conftest import build_tokenizer
+
+CORPUS = ["the quick brown fox jumps over the lazy dog", "speculative decoding verifies a draft tree",
+          "hello world and everyone in it", "a tokenizer learns merges from text like this"] * 20
+
+
+def sentencepiece_like(style: str) -> HFTokenizer:
+    """A Llama-2 / Mistral-style tokenizer: "▁" for spaces, byte fallback pieces <0xNN>."""
+    base = HFTokenizer(models.BPE(unk_token="<unk>"))
+    base.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    base.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"],
+                                                         show_progress=False))
+    spec = json.loads(base.to_str())
+    vocab = spec["model"]["vocab"]
+    n = len(vocab)
+    vocab.update({f"<0x{b:02X}>": n + b for b in range(256)})
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in spec["model"]["merges"]]
+    tok = HFTokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<unk>", "<s>", "</s>")])
+    if style == "replace":
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+        tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+        tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    return tok
+
+
+@pytest.mark.parametrize("style", ["replace", "metaspace"])
+def test_token_bytes_of_a_sentencepiece_tokenizer(style):
+    # GPT-2's byte alphabet holds printable ASCII and Latin-1: read through it, "é" was one byte
+    # 0xE9 and a byte-fallback piece "<0x0A>" the six characters of its name
+    tok = Tokenizer(sentencepiece_like(style))
+    text = "wörld\n你 é"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert any(tok.id_to_token(i).startswith("<0x") for i in ids)
+    assert b"".join(tok.token_bytes(i) for i in ids) == (" " + text).encode()
+
+
+def test_token_bytes_of_a_byte_level_tokenizer():
+    tok = Tokenizer(build_tokenizer(320))
+    text = "héllo 🔥 wörld"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+
+
+def test_a_prompt_that_ends_inside_a_character_loses_nothing_when_streamed():
+    # the seed window ended in U+FFFD; the output token completing the character decoded to a
+    # text no longer than that, was held back, then sliced past: its bytes were dropped
+    tok = Tokenizer(build_tokenizer(320))
+    ids = tok.encode("hi 🔥🔥 ok then", add_special_tokens=False)
+    cuts = [k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith("\ufffd")]
+    assert cuts  # (the emoji spans tokens in this tokenizer)
+    for k in cuts:
+        d = IncrementalDetokenizer(tok, ids[:k])
+        streamed = "".join(d.add([t]) for t in ids[k:]) + d.flush()
+        assert streamed == tok.decode(ids[k:]), (k, streamed)
+
+
+def test_the_template_environment_matches_hf():
+    tok = Tokenizer(build_tokenizer(320))
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    # {% generation %} (HF's training-mask tag) renders its body: such templates had not compiled
+    tok.chat_template = "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}{{ m.content }}" \
+                        "{% endgeneration %}{% else %}{{ m.content }}{% endif %}{% endfor %}"
+    assert tok.apply_chat_template(msgs, add_generation_prompt=False) == "hiyo"
+    # tojson's options as HF passes them
+    tok.chat_template = "{{ {'b': 1, 'a': 2} | tojson(sort_keys=True) }}|{{ {'b': 1} | tojson(separators=(',', ':')) }}"
+    assert tok.apply_chat_template(msgs) == '{"a": 2, "b": 1}|{"b":1}'
+    # a template's own error (not jinja's) is the request's error, not a crash (it was a 500)
+    tok.chat_template = "{{ messages[0].content + 1 }}"
+    with pytest.raises(TemplateError, match="TypeError"):
+        tok.apply_chat_template(msgs)
