@@ -224,6 +224,15 @@ def test_regeneration_keeps_ids_and_resumes(tiny_llama, tmp_path, monkeypatch):
     monkeypatch.setattr("server.llm.LLM", lambda *a, **k: (_ for _ in ()).throw(AssertionError("regenerated again")))
     assert trainer.regenerate(cfg, convs, log=lambda m: None) == first  # resumed from regenerated.jsonl
     monkeypatch.undo()
+    # a run stopped mid-write (Ctrl-C exits at once) left a partial last line: the resume failed
+    # in json.loads; the line is dropped and its conversation regenerated
+    path = os.path.join(cfg.out, "regenerated.jsonl")
+    whole = open(path, "rb").read()
+    with open(path, "wb") as f:
+        f.write(whole[:whole.rfind(b"\n", 0, len(whole) - 1) + 1] + b'{"messages": [{"role": "us')
+    said = []
+    assert trainer.regenerate(cfg, convs, log=said.append, llm=llm) == first
+    assert any("partly written" in m for m in said) and open(path, "rb").read() == whole
     # more conversations extend the file (it holds a prefix of them): the first ones are kept
     more = load_conversations(str(write_jsonl(tmp_path / "d.jsonl", 4, seed=4, turns=2)))
     said = []

@@ -241,8 +241,14 @@ def regenerate(cfg: TrainConfig, convs: list[list[dict]], log, llm=None) -> list
             f.write(key)
     done = []
     if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            done = [json.loads(line)["messages"] for line in f if line.strip()]
+        with open(path, "rb") as f:
+            raw = f.read()
+        whole = raw[:raw.rfind(b"\n") + 1]  # a run stopped mid-write (Ctrl-C exits at once) leaves a partial last line
+        if len(whole) < len(raw):
+            log(f"{path}: dropping a partly written last line ({len(raw) - len(whole)} bytes)")
+            with open(path, "wb") as f:
+                f.write(whole)
+        done = [json.loads(line)["messages"] for line in whole.decode("utf-8").splitlines() if line.strip()]
     if len(done) >= len(convs):
         return done[:len(convs)]
     if llm is None:
