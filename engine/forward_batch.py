@@ -50,7 +50,8 @@ class ForwardBatch:
     # linears pick by row count as if the chunk were that long). A prompt's KV must not depend
     # on how much of it a prefix-cache hit left to compute: the few-row native kernels round
     # bf16 differently from oneDNN's GEMM and SDPA, and a greedy rerun of a cached prompt
-    # parted from the first run (bench/bench_rerun.py)
+    # parted from the first run (bench/bench_rerun.py). CPU only: CUDA graphs pick buckets by
+    # the rows (engine/cuda_graphs.py), so there a cached prompt's tail may still round apart
     prompt_lens: tuple[int, ...] = ()
 
     @property

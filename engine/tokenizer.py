@@ -6,6 +6,7 @@ template already writes them.
 """
 from __future__ import annotations
 
+import codecs
 import datetime
 import json
 import os
@@ -43,8 +44,10 @@ class Tokenizer:
                 template = f.read()
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        return cls(HFTokenizer.from_file(tj), template, _token_str(cfg.get("bos_token")),
-                   _token_str(cfg.get("eos_token")))
+        tok = cls(HFTokenizer.from_file(tj), template, _token_str(cfg.get("bos_token")),
+                  _token_str(cfg.get("eos_token")))
+        tok.byte_level  # decided now, not on a request's first logprobs (it reads the whole tokenizer)
+        return tok
 
     @property
     def vocab_size(self) -> int:
@@ -71,14 +74,15 @@ class Tokenizer:
         piece = self.backend.id_to_token(token_id)
         if piece is None:
             return b""
-        if piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6:
+        if self.byte_level:
+            table = _byte_decoder()
+            if all(ch in table for ch in piece):
+                return bytes(table[ch] for ch in piece)
+        elif piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6:
             try:
                 return bytes([int(piece[3:5], 16)])
             except ValueError:
                 pass
-        table = _byte_decoder()
-        if self.byte_level and all(ch in table for ch in piece):
-            return bytes(table[ch] for ch in piece)
         return piece.replace("\u2581", " ").encode("utf-8")
 
     @property
@@ -178,6 +182,13 @@ def _token_str(token) -> str | None:
     return token
 
 
+def _incomplete_tail(data: bytes) -> bool:
+    """Whether the bytes end inside a UTF-8 character."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    decoder.decode(data)
+    return bool(decoder.getstate()[0])
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of ids into text deltas that never split a UTF-8 character.
 
@@ -191,9 +202,11 @@ class IncrementalDetokenizer:
         seed = list(prompt_ids[-context:])
         # a seed that ends inside a character (a token-id prompt cut mid-character) would hide
         # the output token that completes it: the completed character is no longer than its
-        # U+FFFD, so the first delta was held back and then sliced past. The seed stops at the
-        # last whole character (the output's first delta then starts with the completed one).
-        while seed and tokenizer.decode(seed).endswith("\ufffd"):
+        # U+FFFD, so the first delta was held back and then sliced past, its bytes lost. The
+        # seed stops at the last whole character: the completing bytes then come out as U+FFFD,
+        # as decoding the output alone gives. Judged by the bytes, not the text (a prompt may
+        # end in a real U+FFFD, and emptying the seed would cost SentencePiece its leading space).
+        while seed and _incomplete_tail(b"".join(tokenizer.token_bytes(t) for t in seed)):
             seed.pop()
         self.ids = seed
         self.prefix_offset = 0

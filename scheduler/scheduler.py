@@ -133,7 +133,8 @@ class Scheduler:
                     continue
                 slots = n
             else:
-                n, slots = 1, self._slots(seq)
+                # (a prompt's last token is computed as a prompt: one slot, no scratch for a tree)
+                n, slots = 1, self._slots(seq) if seq.output_token_ids else 1
             while not self.allocator.can_reserve(seq.table, slots):
                 victim = self.running[-1]
                 self._preempt(victim)

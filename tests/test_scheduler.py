@@ -1365,3 +1365,19 @@ def test_plain_rounds_give_their_scratch_reservation_back(tiny_llama, head_dir):
         sched.schedule = real
         assert held and all(n == -(-(c + scratch) // 4) for c, n in held), (size, held)
     assert llm.allocator.num_free_blocks == llm.allocator.num_blocks
+
+
+def test_a_prompts_one_token_last_chunk_reserves_one_slot():
+    # computed as a prompt (no tree on it), it still reserved a tree's scratch: 12 slots for 1
+    from scheduler.block_allocator import BlockAllocator
+    from scheduler.scheduler import Scheduler, SchedulerConfig
+    from scheduler.sequence import Sequence
+    alloc = BlockAllocator(64, 4)
+    sched = Scheduler(SchedulerConfig(max_model_len=128, max_prefill_chunk=8), alloc, frozenset(), spec_tokens=5,
+                      spec_slots=12, tree_tokens=8)
+    a = Sequence(0, list(range(10, 19)), SamplingParams(max_tokens=4, ignore_eos=True), 0, alloc.new_table())
+    sched.add(a)
+    sched.update(sched.schedule(), [])  # its first 8 prompt tokens
+    step = sched.schedule()  # its last one
+    assert step == [a] and a.num_scheduled == 1 and not a.decoding
+    assert len(a.table.blocks) == 3  # 9 tokens in blocks of 4 (the scratch made it 5)

@@ -82,3 +82,16 @@ def test_the_template_environment_matches_hf():
     tok.chat_template = "{{ messages[0].content + 1 }}"
     with pytest.raises(TemplateError, match="TypeError"):
         tok.apply_chat_template(msgs)
+
+
+def test_a_prompt_ending_in_a_real_replacement_character_keeps_its_context():
+    # the seed's trim judged by the text emptied a seed of real U+FFFD characters, and a
+    # SentencePiece decoder that strips a leading space then dropped the output's first space
+    tok = Tokenizer(sentencepiece_like("replace"))
+    for prompt in ("the dog \ufffd", "the dog \ufffd\ufffd"):
+        p = tok.encode(prompt, add_special_tokens=False)
+        full = tok.encode(prompt + " the lazy dog", add_special_tokens=False)
+        assert full[:len(p)] == p
+        d = IncrementalDetokenizer(tok, p)
+        streamed = "".join(d.add([t]) for t in full[len(p):]) + d.flush()
+        assert streamed == tok.decode(full)[len(tok.decode(p)):] == " the lazy dog", (prompt, streamed)
