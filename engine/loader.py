@@ -75,17 +75,22 @@ def _hf_source(path: str):
     cfg_file = os.path.join(path, "config.json")
     if not os.path.exists(cfg_file):
         raise ModelLoadError(f"{path}: missing config.json")
-    try:
-        with open(cfg_file, encoding="utf-8") as f:
-            raw = json.load(f)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"{cfg_file}: not valid JSON ({e})") from None
+    raw = read_json(cfg_file)
     cfg = ModelConfig.from_hf(raw, cfg_file)
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors weight files (pytorch_model.bin is not loaded; "
                              f"convert it to safetensors)")
     return cfg, raw, _safetensors(files), path
+
+
+def read_json(file: str):
+    """A config file's JSON; malformed is a ModelLoadError naming the file, not a traceback."""
+    try:
+        with open(file, encoding="utf-8") as f:
+            return json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{file}: not valid JSON ({e})") from None
 
 
 def _safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:

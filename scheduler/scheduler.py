@@ -78,11 +78,8 @@ class Scheduler:
                 looked_up = len(hashes) * self.allocator.block_size
             n = min(seq.num_uncomputed, self.config.max_prefill_chunk, budget)
             # everything but the last token came from the cache: a recomputed sequence's last
-            # output token decodes (and may speculate); a prompt's last token is computed as a
-            # prompt (no draft on it: its rounding must be the whole prompt's, see
-            # ForwardBatch.prompt_lens), and so is a one-token chunk of a longer remainder
-            slots = self._slots(seq) if seq.num_uncomputed == 1 and seq.table.num_committed > 0 \
-                and seq.output_token_ids else n
+            # output token decodes (and may speculate); a prompt's is computed as a prompt
+            slots = self._slots(seq) if seq.decodes_next else n
             if not self.allocator.can_reserve(seq.table, slots):
                 if not scheduled and not self.running:
                     self.allocator.free(seq.table)
@@ -133,8 +130,7 @@ class Scheduler:
                     continue
                 slots = n
             else:
-                # (a prompt's last token is computed as a prompt: one slot, no scratch for a tree)
-                n, slots = 1, self._slots(seq) if seq.output_token_ids else 1
+                n, slots = 1, self._slots(seq) if seq.decodes_next else 1
             while not self.allocator.can_reserve(seq.table, slots):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -154,12 +150,8 @@ class Scheduler:
         return max(1, min(self.spec_slots, room))
 
     def _choose_trees(self, scheduled: list[Sequence]) -> None:
-        # decoding: its one uncomputed token is all it has left; a one-token prompt chunk (a
-        # prefill budget with one token of room) is not, and was given a tree, with one slot
-        # reserved for it
-        for s in scheduled:  # (a prompt's last token, the rest from the prefix cache, is not: it has no output yet)
-            s.decoding = s.num_scheduled == 1 and s.num_uncomputed == 1 and s.table.num_committed > 0 \
-                and bool(s.output_token_ids)
+        for s in scheduled:  # (a one-token chunk of a longer prompt had been given a tree, with one slot)
+            s.decoding = s.num_scheduled == 1 and s.decodes_next
         decoding = [s for s in scheduled if s.decoding]
         if self.spec_tokens <= 1 or not decoding:
             return

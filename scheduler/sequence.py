@@ -66,7 +66,7 @@ class Sequence:
     finish_time: float | None = None
     # per step, set by the scheduler
     num_scheduled: int = 0  # tokens fed this step (a prefill chunk, or the one new token)
-    decoding: bool = False  # this step feeds its last token, not a prompt (metrics tell the two apart)
+    decoding: bool = False  # `decodes_next` when this step was planned (metrics read it after the step)
     tree_tokens: int | None = None  # tokens the step may verify (1: no speculation; None: the engine's tree)
     tree_depth: int | None = None  # levels the step may draft (None: the engine's rule)
     restart: bool = True  # first step since admission: engine-side state starts over
@@ -93,6 +93,13 @@ class Sequence:
     def num_uncomputed(self) -> int:
         """Tokens whose KV is not in the cache yet (the next step's inputs)."""
         return self.num_tokens - self.table.num_committed
+
+    @property
+    def decodes_next(self) -> bool:
+        """Its next step feeds its last output token alone, which may carry a tree. Not a prompt's
+        last token (a one-token chunk, or what a prefix-cache hit left): that is computed as a
+        prompt, whose rounding must be its whole prompt's (ForwardBatch.prompt_lens)."""
+        return self.num_uncomputed == 1 and self.table.num_committed > 0 and bool(self.output_token_ids)
 
     @property
     def is_finished(self) -> bool:

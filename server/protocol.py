@@ -51,14 +51,14 @@ def _whole(value):
     return value
 
 
-Int = Annotated[int, BeforeValidator(_whole)]
-
-
 def _int(**limits):
-    """An Int within limits (constraints first, so the OpenAPI schema says minimum / maximum:
-    after the validator they came out as unknown "ge" / "le" keys, which clients and the fuzz
-    tests ignore)."""
+    """An int within limits that takes whole-number floats (constraints first, so the OpenAPI
+    schema says minimum / maximum: after the validator they came out as unknown "ge" / "le"
+    keys, which clients and the fuzz tests ignore)."""
     return Annotated[int, Field(**limits), BeforeValidator(_whole)]
+
+
+Int = _int()
 
 
 TokenId = _int(ge=0)
@@ -187,15 +187,8 @@ def completion_prompts(req: CompletionRequest, tokenizer) -> list[list[int]]:
         raise ApiError(400, "best_of other than n is not supported", "best_of")
     if req.echo and req.logprobs is not None:
         raise ApiError(400, "echo with logprobs needs prompt logprobs, which are not supported", "echo")
-    p = req.prompt
-    if isinstance(p, str):
-        items: list = [p]
-    elif all(isinstance(x, int) for x in p):  # (lists are non-empty: the model's min_length)
-        items = [list(p)]
-    else:
-        items = list(p)
     out = []
-    for item in items:
+    for item in _prompt_items(req):
         ids = tokenizer.encode(item) if isinstance(item, str) else list(item)
         if not ids:
             raise ApiError(400, "prompt is empty", "prompt")
@@ -203,11 +196,19 @@ def completion_prompts(req: CompletionRequest, tokenizer) -> list[list[int]]:
     return out
 
 
+def _prompt_items(req: CompletionRequest) -> list:
+    """The request's prompts, each a string or a list of token ids."""
+    p = req.prompt
+    if isinstance(p, str):
+        return [p]
+    if all(isinstance(x, int) for x in p):  # (lists are non-empty: the model's min_length)
+        return [list(p)]
+    return list(p)
+
+
 def echo_texts(req: CompletionRequest, prompts: list[list[int]], tokenizer) -> list[str]:
     """What echo puts before each prompt's completion: a text prompt as it was sent (decoding
     its tokens would drop special tokens such as a chat template's markers), token ids decoded
     with their special tokens (what the model read); "" without a tokenizer."""
-    p = req.prompt
-    items = [p] if isinstance(p, str) else list(p) if isinstance(p[0], str) else [None] * len(prompts)
     return [item if isinstance(item, str) else tokenizer.decode(ids, skip_special_tokens=False) if tokenizer else ""
-            for item, ids in zip(items, prompts)]
+            for item, ids in zip(_prompt_items(req), prompts)]

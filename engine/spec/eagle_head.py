@@ -31,7 +31,7 @@ from engine.attention import AttentionBackend
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVCache
 from engine.layers import FAST_DTYPES, Linear
-from engine.loader import ModelLoadError, fill_parameters
+from engine.loader import ModelLoadError, fill_parameters, read_json
 from engine.model_config import ModelConfig
 from engine.models.llama import DecoderLayer, LlamaForCausalLM, native_stack, native_stack_forward
 
@@ -122,14 +122,6 @@ def head_aux_layers(path: str) -> list[int]:
     return list(aux) if isinstance(aux, list) else []
 
 
-def _read_json(file: str):
-    try:
-        with open(file, encoding="utf-8") as f:
-            return json.load(f)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"{file}: not valid JSON ({e})") from None
-
-
 def _read_weights(path: str) -> dict[str, torch.Tensor]:
     st = os.path.join(path, "model.safetensors")
     if os.path.exists(st):
@@ -149,7 +141,7 @@ def load_eagle_head(path: str, target: LlamaForCausalLM, dtype: torch.dtype) -> 
     cfg_file = os.path.join(path, "config.json")
     if not os.path.exists(cfg_file):
         raise ModelLoadError(f"draft head {path!r}: missing config.json")
-    raw = _read_json(cfg_file)
+    raw = read_json(cfg_file)
     if not isinstance(raw, dict):
         raise ModelLoadError(f"{cfg_file}: not a JSON object")
     raw = {**raw, "num_hidden_layers": 1}
