@@ -850,18 +850,40 @@ def test_engine_loop_reports_each_round_to_the_budget(tiny_llama, head_dir):
 
 
 def test_learnt_verify_curve_never_falls_with_more_tokens():
-    """A round of many tokens measured cheap (a long prefill chunk costs far less than as many
-    tokens of many sequences' trees) must not make the curve fall there: a forward of more
-    tokens never costs less, or large batches' trees look cheaper than their plain rounds."""
+    """A round of many tokens measured cheap must not make the curve fall there: a forward of
+    more tokens never costs less, or large batches' trees look cheaper than their plain rounds.
+    Smaller forwards measured dearer come down with it (one of fewer tokens never costs more)."""
     m = CostModel([(1, 0.010), (32, 0.040), (128, 0.085), (192, 0.148), (256, 0.199)])
     for _ in range(200):
-        m.observe(192, [], 0.040, rate=0.1)  # far cheaper than even verify(128)
+        m.observe(192, [], 0.050, rate=0.1)  # far cheaper than even verify(128)
     ys = [m.verify(x) for x in (1, 32, 64, 128, 160, 192, 224, 256, 300)]
     assert all(b >= a for a, b in zip(ys, ys[1:]))
-    assert m.verify(192) == pytest.approx(0.085) and m.verify(128) == pytest.approx(0.085)
+    assert m.verify(192) == pytest.approx(0.050) and m.verify(128) == pytest.approx(0.050)
+    assert m.verify(32) == pytest.approx(0.040) and m.verify(256) == pytest.approx(0.101)  # 0.199 - 0.098
     # a slower round still moves its size and every larger one up by its error
     m.observe(32, [], 0.050, rate=1.0)
-    assert m.verify(32) == pytest.approx(0.050) and m.verify(256) >= m.verify(192) >= 0.095 - 1e-12
+    assert m.verify(32) == pytest.approx(0.050) and m.verify(256) >= m.verify(192) >= 0.060 - 1e-12
+
+
+def test_fast_rounds_lower_slower_smaller_forwards_instead_of_flattening_the_curve():
+    """A few slow plain rounds of 3 tokens (request turnover over HTTP) and many fast ones of 4:
+    the 4-token rounds bring verify(3) down with verify(4) rather than being held above it, so
+    verify(4) learns their time and the curve above keeps the profile's shape. Held up by
+    verify(3), their error never closed and pulled verify(6..20) down onto it: trees of 20
+    tokens priced as plain rounds of 4."""
+    prof = [(1, 0.0053), (2, 0.0057), (3, 0.0058), (4, 0.0060), (6, 0.0066), (8, 0.0072), (12, 0.0099),
+            (16, 0.0113), (20, 0.0157)]
+    m = CostModel(list(prof))
+    for i in range(1500):
+        if i % 40 == 0:
+            m.observe(3, [], 0.0148)
+        else:
+            m.observe(4, [], 0.0093)
+    assert m.verify(4) == pytest.approx(0.0093, rel=0.05)
+    for t in (6, 8, 12, 16, 20):  # the profile's increments over 4 tokens stand
+        assert m.verify(t) - m.verify(4) == pytest.approx(dict(prof)[t] - 0.0060, rel=0.02), t
+    ys = [m.verify(t) for t in range(1, 24)]
+    assert all(b >= a for a, b in zip(ys, ys[1:]))
 
 
 def test_rounds_with_a_prefill_chunk_teach_the_cost_model_nothing():
