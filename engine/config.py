@@ -1,7 +1,7 @@
 """Engine settings, parsed once at the edge (CLI / LLM) and validated here."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.spec.config import SpecConfig
 
@@ -29,7 +29,8 @@ class EngineConfig:
     tree_budget: bool = True  # size each round's trees by the load-aware budget (speculation only)
     skip_tokenizer: bool = False
     draft: str | None = None  # EAGLE head directory
-    spec: SpecConfig = field(default_factory=SpecConfig)
+    # None: eagle2 where a draft head is given, else none (as the CLI); a method name is its defaults
+    spec: SpecConfig | str | None = None
     # CUDA only (engine/cuda_graphs.py, docs/gpu.md): replay captured graphs for decode / verify steps
     cuda_graphs: bool = True
     cuda_graph_batch_sizes: tuple[int, ...] | None = None  # None: 1, 2, 4, ... up to max_num_seqs
@@ -38,6 +39,16 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
 
     def __post_init__(self):
+        spec = self.spec
+        if spec is None:
+            spec = SpecConfig("eagle2" if self.draft else "none")
+        elif isinstance(spec, str):
+            spec = SpecConfig(spec)
+        elif not isinstance(spec, SpecConfig):
+            raise ValueError(f"spec must be a SpecConfig or a method name, got {spec!r}")
+        if self.draft is not None and spec.method in ("ngram", "none"):
+            raise ValueError(f"a draft head does not apply to spec {spec.method!r} (eagle2 and eagle1 read one)")
+        object.__setattr__(self, "spec", spec)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.device not in DEVICES and not self.device.startswith("cuda:"):

@@ -37,25 +37,34 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self):
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+        _check(_int(self.max_tokens) and self.max_tokens >= 1,
                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         _check(_finite(self.temperature) and self.temperature >= 0,
                f"temperature must be a finite number >= 0, got {self.temperature!r}")
         _check(_finite(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
-        _check(isinstance(self.top_k, int) and (self.top_k >= 1 or self.top_k in (0, -1)),
+        _check(_int(self.top_k) and (self.top_k >= 1 or self.top_k in (0, -1)),
                f"top_k must be -1, 0 or a positive integer, got {self.top_k!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(_finite(value) and -2 <= value <= 2, f"{name} must be in [-2, 2], got {value!r}")
-        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+        _check(_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
                f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
+        _check(isinstance(self.logit_bias, dict), f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
         for token, bias in self.logit_bias.items():
-            _check(isinstance(token, int) and token >= 0, f"logit_bias key must be a token id, got {token!r}")
+            _check(_int(token) and token >= 0, f"logit_bias key must be a token id, got {token!r}")
             _check(_finite(bias) and -100 <= bias <= 100, f"logit_bias values must be in [-100, 100], got {bias!r}")
-        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
+        _check(self.logprobs is None or (_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
-        _check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
-        object.__setattr__(self, "stop", tuple(self.stop))
+        _check(self.seed is None or _int(self.seed), f"seed must be an integer, got {self.seed!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            _check(isinstance(getattr(self, name), bool), f"{name} must be a bool, got {getattr(self, name)!r}")
+        # a lone string is one stop string (vLLM's `stop: str | list[str]`), not its characters
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        _check(isinstance(stop, (list, tuple)) and all(isinstance(x, str) and x for x in stop),
+               f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+        _check(isinstance(self.stop_token_ids, (list, tuple)) and all(_int(t) and t >= 0 for t in self.stop_token_ids),
+               f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop", tuple(stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
     @property
@@ -65,6 +74,10 @@ class SamplingParams:
     @property
     def needs_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+def _int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _finite(x) -> bool:

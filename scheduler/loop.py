@@ -100,7 +100,7 @@ class EngineLoop:
         max_len = self.scheduler.config.max_model_len
         if not prompt:
             raise ValueError("the prompt is empty")
-        bad = [t for t in prompt if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+        bad = [t for t in prompt if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size)]
         if bad:
             raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
         if len(prompt) + params.max_tokens > max_len:

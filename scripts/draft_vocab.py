@@ -25,13 +25,17 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def assistant_ids(files: list[str], tokenizer, max_len: int = 1 << 20):
-    """All assistant-token ids of the conversations in `files` (a torch tensor)."""
+def assistant_ids(files: list[str], tokenizer, max_len: int = 1 << 20, vocab_size: int | None = None):
+    """All assistant-token ids of the conversations in `files` (a torch tensor); with
+    vocab_size, generated `token_ids` past it are refused (they belong to another model)."""
     import torch
-    from engine.train.data import load_conversations, render
+    from engine.train.data import check_token_ids, load_conversations, render
     out = []
     for path in files:
-        for conv in load_conversations(path, None):
+        convs = load_conversations(path, None)
+        if vocab_size is not None:
+            check_token_ids(convs, vocab_size, path)
+        for conv in convs:
             ex = render(tokenizer, conv, max_len)
             if ex is not None:
                 out.extend(i for i, m in zip(ex.ids, ex.mask) if m)
@@ -52,18 +56,33 @@ def main(argv=None) -> int:
     p.add_argument("--model", default=None, help="target (default: the embedded default model)")
     p.add_argument("--eval", default=None, help="JSONL file to report coverage on (not counted)")
     args = p.parse_args(argv)
+    data = [x for x in args.data.split(",") if x]
+    for path in data + ([args.eval] if args.eval else []):  # before the model loads
+        if not os.path.isfile(path):
+            raise SystemExit(f"draft_vocab: no such data file: {path}")
+    if not os.path.isfile(os.path.join(args.head, "model.safetensors")):
+        raise SystemExit(f"draft_vocab: --head {args.head}: no model.safetensors there")
+    try:
+        return run(args, data)
+    except (ValueError, OSError) as e:  # DataError, ModelLoadError, unreadable files: named, no traceback
+        raise SystemExit(f"draft_vocab: {e}") from None
+
+
+def run(args, data: list[str]) -> int:
     import torch
     from safetensors.torch import load_file, save_file
     from engine.loader import load_model
+    from engine.spec.eagle_head import load_eagle_head
     from engine.train.trainer import build_draft_vocab
     loaded = load_model(args.model, torch.float32, torch.device("cpu"))
     vocab = loaded.config.vocab_size
     if not 2 <= args.k <= vocab:
         raise SystemExit(f"--k must be in [2, {vocab}]")
+    load_eagle_head(args.head, loaded.model, torch.float32)  # a head for another target is refused here
     with open(os.path.join(args.head, "config.json")) as f:
         config = json.load(f)
     weights = load_file(os.path.join(args.head, "model.safetensors"))
-    ids = assistant_ids(args.data.split(","), loaded.tokenizer)
+    ids = assistant_ids(data, loaded.tokenizer, vocab_size=vocab)
     if not len(ids):
         raise SystemExit("no assistant tokens in --data")
     d2t = build_draft_vocab(ids, torch.ones_like(ids, dtype=torch.bool), args.k, vocab, sorted(loaded.eos_token_ids))
@@ -71,12 +90,14 @@ def main(argv=None) -> int:
     report = {"counted_tokens": len(ids), "distinct": int(ids.unique().numel()), "k": args.k,
               "coverage_new": coverage(ids, d2t), "coverage_old": coverage(ids, old) if old is not None else 1.0}
     if args.eval:
-        ev = assistant_ids([args.eval], loaded.tokenizer)
+        ev = assistant_ids([args.eval], loaded.tokenizer, vocab_size=vocab)
         report.update(eval_tokens=len(ev), eval_coverage_new=coverage(ev, d2t),
                       eval_coverage_old=coverage(ev, old) if old is not None else 1.0)
     os.makedirs(args.out, exist_ok=True)
+    same = os.path.samefile(args.head, args.out)  # re-picked in place: the other files are already there
     for name in os.listdir(args.head):  # anything else travels along; the old card described the old vocabulary
-        if name not in ("model.safetensors", "config.json", "card.json") and os.path.isfile(os.path.join(args.head, name)):
+        if not same and name not in ("model.safetensors", "config.json", "card.json") \
+                and os.path.isfile(os.path.join(args.head, name)):
             shutil.copy2(os.path.join(args.head, name), os.path.join(args.out, name))
     weights["d2t"] = d2t.to(torch.int64).contiguous()
     save_file(weights, os.path.join(args.out, "model.safetensors"))

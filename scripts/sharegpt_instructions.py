@@ -61,6 +61,13 @@ def main(argv=None) -> int:
     p.add_argument("--ascii-share", type=float, default=0.98)
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
+    for bad, why in ((a.count < 1, "--count must be >= 1"), (a.after < 0, "--after must be >= 0"),
+                     (a.skip < 0, "--skip must be >= 0"), (a.min_chars > a.max_chars, "--min-chars is above --max-chars"),
+                     (not 0 <= a.ascii_share <= 1, "--ascii-share must be in [0, 1]")):
+        if bad:
+            p.error(why)
+    if not os.path.isdir(os.path.dirname(os.path.abspath(a.out))):
+        p.error(f"--out {a.out}: no such directory")
     rows = select(a.skip, a.count, a.min_chars, a.max_chars, a.ascii_share, a.after)
     with open(a.out, "w", encoding="utf-8") as f:
         for r in rows:

@@ -58,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sampling-top-k", type=int, default=-1, help="sample among the k most likely tokens")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true")
+    g.set_defaults(max_num_seqs=None)  # generate runs one prompt: the flag is refused there (cmd_generate)
     g.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
                        description="Every flag can also be set as EAGLE_SERVE_<FLAG> (e.g. EAGLE_SERVE_PORT=9000).")
@@ -193,6 +194,9 @@ def cmd_serve(args) -> int:
 def resolve_draft(args) -> str | None:
     """--draft PATH | none | default; unset: the shipped head of the embedded default model."""
     from engine.default_model import default_draft_path
+    if args.spec in ("ngram", "none") and args.draft not in (None, "none"):
+        why = "it drafts from the prompt's own n-grams" if args.spec == "ngram" else "it does not speculate"
+        raise ValueError(f"--draft does not apply to --spec {args.spec}: {why}")
     if args.draft == "none":
         return None
     if args.draft in (None, "default"):
@@ -254,6 +258,8 @@ def cmd_generate(args) -> int:
     from server.llm import LLM
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.sampling_top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+    if args.max_num_seqs is not None:
+        raise ValueError("--max-num-seqs does not apply to generate: it runs one prompt (serve takes it)")
     draft = resolve_draft(args)
     kwargs = {**engine_kwargs(args), "max_num_seqs": 1}  # one prompt: profile the tree budget for one sequence
     llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_cache_tokens=args.kv_cache_tokens,
@@ -310,6 +316,8 @@ def spec_config(args, draft: str | None = None):
                 tree = json.load(f)
         except ValueError as e:
             raise ValueError(f"--static-tree {args.static_tree}: not valid JSON ({e})") from None
+        except OSError as e:
+            raise ValueError(f"--static-tree {args.static_tree}: {e.strerror or e}") from None
         try:
             return SpecConfig(method, **kwargs, static_tree=tree)
         except ValueError as e:

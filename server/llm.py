@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence as Seq
 
@@ -141,43 +142,104 @@ class LLM:
         return self.runner.max_model_len
 
     def encode(self, prompt: Prompt) -> list[int]:
+        """A prompt's token ids: a string (tokenized), a list of token ids, or vLLM's prompt dicts
+        {"prompt": str} / {"prompt_token_ids": list[int]}."""
+        if isinstance(prompt, dict):
+            if len(prompt) != 1 or not ({"prompt", "prompt_token_ids"} & prompt.keys()):
+                raise ValueError(f"a prompt dict takes one key, 'prompt' or 'prompt_token_ids'; got {sorted(prompt)}")
+            prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this LLM was built with skip_tokenizer=True; pass token ids")
             return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
         return list(prompt)
 
     def generate(self, prompts: Prompt | Seq[Prompt],
-                 params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run every prompt to completion, batched; outputs in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+                 params: SamplingParams | Seq[SamplingParams] | None = None, *,
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion, batched; outputs in prompt order. `sampling_params`
+        is vLLM's name for `params` (give one of them).
+
+        The call's requests are added and run as one unit on the engine thread, which runs one
+        unit at a time: calls from several threads queue there and each gets its own outputs.
+        If the call ends early (Ctrl-C while it waits, an error in the engine loop), its
+        requests are aborted and their KV blocks freed, so the next call starts clean."""
+        if sampling_params is not None:
+            if params is not None:
+                raise ValueError("give params or sampling_params, not both")
+            params = sampling_params
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                                and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = params or SamplingParams()
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
+        prompts = list(prompts)
+        if params is None:
+            params = SamplingParams()
+        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        if not all(isinstance(p, SamplingParams) for p in params):
+            raise ValueError("sampling params must be SamplingParams")
         encoded = [self.encode(p) for p in prompts]
         self._finish_idle()
-        seqs = []
+        cancel = threading.Event()
         try:
-            for ids, p in zip(encoded, params):
-                seqs.append(self.loop.add_request(ids, p))
-        except Exception:
-            for s in seqs:  # all or nothing: an invalid prompt cancels the whole call
-                self.loop.abort(s.seq_id)
+            outs = on_engine_thread(self._run, encoded, params, cancel)
+        except BaseException:
+            cancel.set()  # the unit, if still running, aborts its requests at its next step
             raise
-        final = on_engine_thread(self.loop.run_to_completion)
-        outs = [final[s.seq_id] for s in seqs]
         failed = [o for o in outs if o.finish_reason == "error"]
         if failed:
             raise RuntimeError(f"{len(failed)} of {len(outs)} requests failed in the engine; first: {failed[0].error}")
         return outs
 
+    def _run(self, encoded: list[list[int]], params: list[SamplingParams], cancel: threading.Event) -> list[RequestOutput]:
+        """On the engine thread: add the requests (all or nothing) and step until each is done."""
+        seqs = []
+        try:
+            for ids, p in zip(encoded, params):
+                seqs.append(self.loop.add_request(ids, p))
+            final: dict[int, RequestOutput] = {}
+            while len(final) < len(seqs):
+                if cancel.is_set():
+                    raise KeyboardInterrupt("generate was interrupted")
+                for out in self.loop.step():
+                    if out.finished:
+                        final[out.seq_id] = out
+            return [final[s.seq_id] for s in seqs]
+        except BaseException:
+            for s in seqs:  # abort is a no-op for a request that finished
+                self.loop.abort(s.seq_id)
+            raise
+
     def chat(self, messages: list[dict] | list[list[dict]],
-             params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Apply the model's chat template to one or several conversations, then generate."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+             params: SamplingParams | Seq[SamplingParams] | None = None, *,
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (a list of messages) or several (a
+        list of such lists), then generate. A message is {"role", "content"}, its content a
+        string or a list of text parts ({"type": "text", "text": ...}, joined by newlines, as the
+        server joins them)."""
         if self.tokenizer is None:
             raise ValueError("this LLM was built with skip_tokenizer=True; chat needs a tokenizer")
-        return self.generate([self.tokenizer.encode_chat(c) for c in conversations], params)
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages must be a non-empty list of messages, or a list of such lists")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.encode_chat(_messages(c)) for c in conversations]
+        return self.generate(prompts, params, sampling_params=sampling_params)
+
+
+def _messages(conversation) -> list[dict]:
+    """One conversation's messages for the chat template, checked as the server checks them."""
+    from pydantic import ValidationError
+
+    from server.protocol import ChatMessage, template_message
+    if not isinstance(conversation, (list, tuple)) or not conversation:
+        raise ValueError(f"a conversation is a non-empty list of messages, got {conversation!r}")
+    out = []
+    for m in conversation:
+        try:
+            out.append(template_message(ChatMessage.model_validate(m)))
+        except ValidationError as e:
+            raise ValueError(f"invalid message {m!r}: {e.errors()[0]['msg']}") from None
+    return out

@@ -164,15 +164,18 @@ def check_common(req: _Common) -> int:
     return n
 
 
+def template_message(m: ChatMessage) -> dict:
+    """A message as the chat template takes it: text parts joined by newlines (as vLLM joins
+    them), developer as system."""
+    content = "\n".join(p.text for p in m.content) if isinstance(m.content, list) else m.content
+    return {"role": "system" if m.role == "developer" else m.role, "content": content}
+
+
 def chat_inputs(req: ChatRequest) -> tuple[list[dict], int | None, int | None]:
     """(messages for the chat template, max_tokens or None, logprobs top-n or None)."""
     if req.max_tokens is not None and req.max_completion_tokens is not None and req.max_tokens != req.max_completion_tokens:
         raise ApiError(400, "max_tokens and max_completion_tokens differ; give one", "max_completion_tokens")
-    messages = []
-    for m in req.messages:
-        # text parts joined by newlines, as vLLM joins them
-        content = "\n".join(p.text for p in m.content) if isinstance(m.content, list) else m.content
-        messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+    messages = [template_message(m) for m in req.messages]
     top = None
     if req.logprobs:
         top = req.top_logprobs or 0

@@ -362,4 +362,4 @@ def test_kv_budget_counts_the_heads_feature_cache(tmp_path, monkeypatch):
     for name, width in (("plain", 4096), ("fused", 4 * 4096)):
         assert tokens(heads[name]) == budget // ((128 * 1024 * 33 // 32 + width * 2) * 16) * 16
     assert gm.draft_feature_width(EngineConfig(spec=SpecConfig("eagle2"), draft=heads["fused"]), 576) == 4 * 576
-    assert gm.draft_feature_width(EngineConfig(spec=SpecConfig("none"), draft=heads["fused"]), 576) == 0
+    assert gm.draft_feature_width(EngineConfig(spec=SpecConfig("eagle2"), draft=None), 576) == 0

@@ -45,3 +45,32 @@ def test_revocabulised_head_keeps_its_weights_covers_the_data_and_serves(tiny_ll
     assert llm.runner.drafter.head.d2t.tolist() == d2t.tolist()
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     assert llm.generate([5, 6, 7, 8], params)[0].token_ids == tiny_llm.generate([5, 6, 7, 8], params)[0].token_ids
+
+
+def test_bad_inputs_are_named_without_a_traceback(tiny_llama, tmp_path):
+    """Each of these was a traceback (RuntimeError deep in the ranking, SameFileError,
+    DataError) or, for a head of another model, an unusable head written with exit 0."""
+    import pytest
+    from tests.conftest import write_tiny_model
+    head = write_eagle_head(str(tmp_path / "head"), tiny_llama[0], seed=1)
+    (tmp_path / "head" / "README.md").write_text("card")
+    model = ["--model", tiny_llama[0], "--k", "8"]
+    row = lambda ids: json.dumps({"messages": [{"role": "user", "content": "hi"},  # noqa: E731
+                                               {"role": "assistant", "content": "x", "token_ids": ids}]}) + "\n"
+    oob = tmp_path / "oob.jsonl"
+    oob.write_text(row([5, 6, 5000]))
+    with pytest.raises(SystemExit, match="past the target's vocabulary"):
+        main(["--head", head, "--data", str(oob), "--out", str(tmp_path / "o1"), *model])
+    with pytest.raises(SystemExit, match="no such data file"):
+        main(["--head", head, "--data", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "o2"), *model])
+    good = tmp_path / "good.jsonl"
+    good.write_text(row([5, 6, 7, 8, 9, 10]) * 3)
+    other = str(tmp_path / "other")
+    write_tiny_model(other, vocab=400)
+    with pytest.raises(SystemExit, match="does not fit the target"):
+        main(["--head", head, "--data", str(good), "--out", str(tmp_path / "o3"), "--model", other, "--k", "8"])
+    assert not os.path.exists(tmp_path / "o3")
+    assert main(["--head", head, "--data", str(good), "--out", head, *model]) == 0  # re-picked in place
+    with open(os.path.join(head, "config.json")) as f:
+        assert json.load(f)["draft_vocab_size"] == 8
+    assert (tmp_path / "head" / "README.md").read_text() == "card"

@@ -62,3 +62,26 @@ def test_cli_rejects_a_bad_count(tmp_path):
     r = subprocess.run([sys.executable, "scripts/self_prompts.py", "--count", "0", "--out", str(tmp_path / "x.jsonl")],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--count must be >= 1" in r.stderr
+
+
+def test_cli_checks_its_arguments_before_loading_the_model(tmp_path):
+    """These failed only after the model loaded, some after every prompt and answer was generated
+    (an --out in a missing directory), or wrote an empty file with exit 0 (impossible filters)."""
+    for args, said in ((["--out", str(tmp_path / "no" / "x.jsonl")], "no such directory"),
+                       (["--answer-max-tokens", "0"], "--answer-max-tokens must be >= 1"),
+                       (["--temperature", "-1"], "--temperature must be"),
+                       (["--dtype", "float99"], "invalid choice"),
+                       (["--min-chars", "50", "--max-chars", "10"], "--min-chars is above --max-chars"),
+                       (["--ascii-share", "5"], "--ascii-share must be in [0, 1]")):
+        out = [] if "--out" in args else ["--out", str(tmp_path / "x.jsonl")]
+        r = subprocess.run([sys.executable, "scripts/self_prompts.py", "--count", "1", *args, *out],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and said in r.stderr and "Loading" not in r.stderr, (args, r.stderr[-500:])
+
+
+def test_sharegpt_instructions_refuses_counts_it_cannot_honour(tmp_path):
+    for args, said in ((["--count", "0"], "--count must be >= 1"), (["--count", "-3"], "--count must be >= 1"),
+                       (["--after", "-1", "--count", "3"], "--after must be >= 0")):  # each wrote one row
+        r = subprocess.run([sys.executable, "scripts/sharegpt_instructions.py", *args, "--out", str(tmp_path / "x.jsonl")],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and said in r.stderr and not (tmp_path / "x.jsonl").exists()
