@@ -232,20 +232,23 @@ def _shift_from(points: list[tuple[int, float]], cache: dict[int, float], x: int
     trees (3-8 tokens, whose verify cost only plain rounds of that many sequences correct) never
     paid in the model: trees looked up to that much cheaper than they were, the deeper ones
     most. Points from the last one at or below x move (so the value at x moves by exactly
-    delta); smaller forwards keep theirs. A moved point never falls below the one before it:
+    delta); smaller forwards keep theirs unless they would then cost more (below). A moved point never falls below the one before it:
     a forward of more tokens never costs less. Without that, cheap prefill rounds of ~150-250
     tokens pulled verify(192) to 65.8 ms under verify(128)'s 82.9 (`cost_model_on_end` of
     bench_serve's sweep at commit 4c93350), 32 sequences' trees of 4-6 tokens looked cheap,
     and the budget speculated at 32 clients, at 386 tok/s against 825 plain by its own guard.
     The order is kept from the other side too: where x's rounds measure below a smaller
-    forward's point, that point comes down to x's value (a forward of fewer tokens never costs
+    forward's point, that point comes down to the moved point's value (a forward of fewer tokens never costs
     more). Held up by it instead, x's error never closed, and every round at x pulled the
     points above x on down until they met it: over HTTP at 4 clients, a few slow plain rounds
     of 3 sequences (as requests finished and new ones came in) raised verify(3) to 12.7 ms;
     the 4-sequence rounds, at 9.3 ms, could not take verify(4) below it, and flattened
     verify(4..20) onto it. Trees of 20 tokens looked as cheap as plain, the model probes drafted
     5 tokens a sequence at 28 ms a round against 9.3 plain, and the server ran at 0.93x the
-    one without speculation (a scratch trace; the test reproduces it)."""
+    one without speculation (figures from a scratch trace, not kept in the repo; the test
+    reproduces the mechanism). Bringing points down is safe where the rounds that teach the
+    curve are decode rounds only: prefill rounds, whose many cheap tokens would drag smaller
+    forwards down with them, teach it nothing (`TreeBudget.observe_round`)."""
     xs = [p[0] for p in points]
     lo = max(0, bisect.bisect_right(xs, x) - 1)
     if x > xs[-1]:  # extrapolated from the last two points: both move

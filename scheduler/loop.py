@@ -102,7 +102,9 @@ class EngineLoop:
             raise ValueError("the prompt is empty")
         bad = [t for t in prompt if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size)]
         if bad:
-            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
+            what = "is not an integer token id" if not isinstance(bad[0], int) or isinstance(bad[0], bool) else \
+                f"is outside the vocabulary [0, {self.vocab_size})"
+            raise ValueError(f"prompt token id {bad[0]!r} {what}")
         if len(prompt) + params.max_tokens > max_len:
             raise PromptTooLong(
                 f"this model's maximum context length is {max_len} tokens; the prompt has "
@@ -237,9 +239,13 @@ class EngineLoop:
             self._text.pop(seq.seq_id, None)
         return make_output(seq, state, delta)
 
-    def run_to_completion(self) -> dict[int, RequestOutput]:
+    def run_to_completion(self, seq_ids: set[int] | None = None, cancel=None) -> dict[int, RequestOutput]:
+        """Step until every request (or those of seq_ids) has finished; their final outputs.
+        `cancel` (a threading.Event): checked before each step, KeyboardInterrupt once set."""
         final: dict[int, RequestOutput] = {}
-        while self.has_unfinished:
+        while self.has_unfinished and (seq_ids is None or not seq_ids <= final.keys()):
+            if cancel is not None and cancel.is_set():
+                raise KeyboardInterrupt("interrupted")
             for out in self.step():
                 if out.finished:
                     final[out.seq_id] = out

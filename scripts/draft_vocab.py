@@ -99,8 +99,13 @@ def run(args, data: list[str]) -> int:
         if not same and name not in ("model.safetensors", "config.json", "card.json") \
                 and os.path.isfile(os.path.join(args.head, name)):
             shutil.copy2(os.path.join(args.head, name), os.path.join(args.out, name))
+    if same and os.path.exists(os.path.join(args.out, "card.json")):
+        os.remove(os.path.join(args.out, "card.json"))  # it described the old vocabulary
+    weights = {k: v.clone() for k, v in weights.items()}  # off the file's memory map before it is replaced
     weights["d2t"] = d2t.to(torch.int64).contiguous()
-    save_file(weights, os.path.join(args.out, "model.safetensors"))
+    tmp = os.path.join(args.out, "model.safetensors.tmp")
+    save_file(weights, tmp)
+    os.replace(tmp, os.path.join(args.out, "model.safetensors"))
     with open(os.path.join(args.out, "config.json"), "w") as f:
         json.dump({**config, "draft_vocab_size": args.k}, f, indent=2)
     print(json.dumps(report, indent=1))

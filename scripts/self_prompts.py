@@ -22,7 +22,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.config import DTYPES  # noqa: E402
-from scripts.sharegpt_instructions import keep  # noqa: E402  (the same length and ASCII filter)
+from scripts.sharegpt_instructions import check_args, keep  # noqa: E402  (the same length and ASCII filter)
 
 OPENERS = ("Write", "Explain", "How", "What", "Describe", "Imagine", "Can you", "Give me", "Why", "Compose",
            "List", "Solve", "Create", "Suggest", "Compare", "Summarize", "Help me", "Is it", "Which", "Tell me")
@@ -88,17 +88,10 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="auto", choices=DTYPES)
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
-    for bad, why in ((a.count < 1, "--count must be >= 1"),
-                     (a.prompt_max_tokens < 1, "--prompt-max-tokens must be >= 1"),
-                     (a.answer_max_tokens < 1, "--answer-max-tokens must be >= 1"),
-                     (not 0 <= a.temperature < float("inf"), "--temperature must be a finite number >= 0"),
-                     (not 0 < a.top_p <= 1, "--top-p must be in (0, 1]"),
-                     (a.min_chars > a.max_chars, "--min-chars is above --max-chars"),
-                     (not 0 <= a.ascii_share <= 1, "--ascii-share must be in [0, 1]")):
-        if bad:  # checked before the model loads and the prompts are written, not after
-            p.error(why)
-    if not os.path.isdir(os.path.dirname(os.path.abspath(a.out))):
-        p.error(f"--out {a.out}: no such directory")
+    check_args(p, a, (a.prompt_max_tokens < 1, "--prompt-max-tokens must be >= 1"),
+               (a.answer_max_tokens < 1, "--answer-max-tokens must be >= 1"),
+               (not 0 <= a.temperature < float("inf"), "--temperature must be a finite number >= 0"),
+               (not 0 < a.top_p <= 1, "--top-p must be in (0, 1]"))  # before the model loads
     openers = tuple(s.strip() for s in a.openers.split(",") if s.strip())
     if not openers:
         p.error("--openers is empty")

@@ -51,6 +51,18 @@ def select(skip: int, count: int, min_chars: int, max_chars: int, ascii_share: f
     return out[after:]
 
 
+def check_args(p: argparse.ArgumentParser, a, *more: tuple[bool, str]) -> None:
+    """The checks this script and self_prompts.py share (--count, the filters, --out's
+    directory) and `more` (bad, why) pairs: p.error on the first that fails, before any work."""
+    for bad, why in ((a.count < 1, "--count must be >= 1"), *more,
+                     (a.min_chars > a.max_chars, "--min-chars is above --max-chars"),
+                     (not 0 <= a.ascii_share <= 1, "--ascii-share must be in [0, 1]")):
+        if bad:
+            p.error(why)
+    if not os.path.isdir(os.path.dirname(os.path.abspath(a.out))):
+        p.error(f"--out {a.out}: no such directory")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--skip", type=int, default=4224, help="normalised conversations to pass over first")
@@ -61,13 +73,7 @@ def main(argv=None) -> int:
     p.add_argument("--ascii-share", type=float, default=0.98)
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
-    for bad, why in ((a.count < 1, "--count must be >= 1"), (a.after < 0, "--after must be >= 0"),
-                     (a.skip < 0, "--skip must be >= 0"), (a.min_chars > a.max_chars, "--min-chars is above --max-chars"),
-                     (not 0 <= a.ascii_share <= 1, "--ascii-share must be in [0, 1]")):
-        if bad:
-            p.error(why)
-    if not os.path.isdir(os.path.dirname(os.path.abspath(a.out))):
-        p.error(f"--out {a.out}: no such directory")
+    check_args(p, a, (a.after < 0, "--after must be >= 0"), (a.skip < 0, "--skip must be >= 0"))
     rows = select(a.skip, a.count, a.min_chars, a.max_chars, a.ascii_share, a.after)
     with open(a.out, "w", encoding="utf-8") as f:
         for r in rows:

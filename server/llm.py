@@ -163,9 +163,10 @@ class LLM:
         is vLLM's name for `params` (give one of them).
 
         The call's requests are added and run as one unit on the engine thread, which runs one
-        unit at a time: calls from several threads queue there and each gets its own outputs.
-        If the call ends early (Ctrl-C while it waits, an error in the engine loop), its
-        requests are aborted and their KV blocks freed, so the next call starts clean."""
+        unit at a time: calls from several threads queue there and each gets its own outputs (an
+        LLM that an AsyncEngine is serving is not for generate: the unit's steps would take the
+        server's outputs). If the call ends early (Ctrl-C while it waits, an error in the engine
+        loop), its requests are aborted and their KV blocks freed, so the next call starts clean."""
         if sampling_params is not None:
             if params is not None:
                 raise ValueError("give params or sampling_params, not both")
@@ -182,12 +183,11 @@ class LLM:
         if not all(isinstance(p, SamplingParams) for p in params):
             raise ValueError("sampling params must be SamplingParams")
         encoded = [self.encode(p) for p in prompts]
-        self._finish_idle()
         cancel = threading.Event()
         try:
             outs = on_engine_thread(self._run, encoded, params, cancel)
         except BaseException:
-            cancel.set()  # the unit, if still running, aborts its requests at its next step
+            cancel.set()  # the unit, if still queued or running, aborts its requests at its next step
             raise
         failed = [o for o in outs if o.finish_reason == "error"]
         if failed:
@@ -195,22 +195,23 @@ class LLM:
         return outs
 
     def _run(self, encoded: list[list[int]], params: list[SamplingParams], cancel: threading.Event) -> list[RequestOutput]:
-        """On the engine thread: add the requests (all or nothing) and step until each is done."""
+        """On the engine thread: due idle work first, then add the requests (all or nothing) and
+        step until each is done."""
+        if cancel.is_set():  # interrupted while queued behind another call
+            raise KeyboardInterrupt("interrupted")
+        self._finish_idle()
         seqs = []
         try:
             for ids, p in zip(encoded, params):
                 seqs.append(self.loop.add_request(ids, p))
-            final: dict[int, RequestOutput] = {}
-            while len(final) < len(seqs):
-                if cancel.is_set():
-                    raise KeyboardInterrupt("generate was interrupted")
-                for out in self.loop.step():
-                    if out.finished:
-                        final[out.seq_id] = out
+            final = self.loop.run_to_completion({s.seq_id for s in seqs}, cancel)
             return [final[s.seq_id] for s in seqs]
         except BaseException:
             for s in seqs:  # abort is a no-op for a request that finished
-                self.loop.abort(s.seq_id)
+                try:
+                    self.loop.abort(s.seq_id)
+                except Exception:  # noqa: BLE001 - the others are still freed; the first error goes up
+                    log.exception("aborting request %d after an interrupted generate failed", s.seq_id)
             raise
 
     def chat(self, messages: list[dict] | list[list[dict]],

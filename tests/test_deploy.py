@@ -304,6 +304,19 @@ def test_chart_renders_default_values():
     assert "No API key" in notes and "port-forward" in notes
 
 
+@pytest.mark.parametrize("spec", ["ngram", "none"])
+def test_chart_leaves_the_default_draft_out_for_methods_without_a_head(spec):
+    """serve refuses --draft with --spec ngram / none: the chart's default draft path would have
+    crash-looped a pod that only set model.spec."""
+    pytest.importorskip("helm_python")
+    docs, _ = _render({"model": {"spec": spec}})
+    (deploy,) = _by_kind(docs)["Deployment"]
+    args = _check_deployment(deploy)
+    assert args.spec == spec and args.draft is None
+    from server.cli import resolve_draft, spec_config
+    assert resolve_draft(args) is None and spec_config(args).method == spec
+
+
 def test_chart_renders_non_default_values():
     values = {
         "fullnameOverride": "llm-api",

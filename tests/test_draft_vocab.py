@@ -70,7 +70,12 @@ def test_bad_inputs_are_named_without_a_traceback(tiny_llama, tmp_path):
     with pytest.raises(SystemExit, match="does not fit the target"):
         main(["--head", head, "--data", str(good), "--out", str(tmp_path / "o3"), "--model", other, "--k", "8"])
     assert not os.path.exists(tmp_path / "o3")
+    before = load_file(os.path.join(head, "model.safetensors"))
+    (tmp_path / "head" / "card.json").write_text("{}")
     assert main(["--head", head, "--data", str(good), "--out", head, *model]) == 0  # re-picked in place
     with open(os.path.join(head, "config.json")) as f:
         assert json.load(f)["draft_vocab_size"] == 8
     assert (tmp_path / "head" / "README.md").read_text() == "card"
+    assert not (tmp_path / "head" / "card.json").exists()  # it described the old vocabulary
+    after = load_file(os.path.join(head, "model.safetensors"))
+    assert all(torch.equal(before[k], after[k]) for k in before if k != "d2t") and len(after["d2t"]) == 8

@@ -880,6 +880,8 @@ def test_fast_rounds_lower_slower_smaller_forwards_instead_of_flattening_the_cur
         else:
             m.observe(4, [], 0.0093)
     assert m.verify(4) == pytest.approx(0.0093, rel=0.05)
+    # 3 tokens sit between the profile's 0.0058 and the slow rounds' 0.0148, never above verify(4)
+    assert 0.0058 < m.verify(3) <= m.verify(4)
     for t in (6, 8, 12, 16, 20):  # the profile's increments over 4 tokens stand
         assert m.verify(t) - m.verify(4) == pytest.approx(dict(prof)[t] - 0.0060, rel=0.02), t
     ys = [m.verify(t) for t in range(1, 24)]
