@@ -214,7 +214,7 @@ class ModelRunner:
                       else self.spec.max_depth if s.tree_tokens is None else s.tree_tokens - 1) for s in steps]
         # decoding: a sampled one-token step past a computed prefix that has output already (not
         # a one-token prompt chunk, nor a prompt's last token after a prefix-cache hit)
-        decodes = [len(s.token_ids) == 1 and s.num_cached > 0 and s.sample and bool(s.output_token_ids) for s in steps]
+        decodes = [s.sample and s.num_cached > 0 and not s.feeds_prompt for s in steps]
         decoding = [i for i, d in enumerate(decodes) if d and depths[i] > 0]
         idle = [s for i, (s, d) in enumerate(zip(steps, decodes)) if d and depths[i] <= 0]
         if idle:  # called even when every one is retired: the drafter counts rounds without a draft
@@ -227,10 +227,9 @@ class ModelRunner:
 
     @staticmethod
     def _span(step: SeqStep, tree: DraftTree) -> SeqSpan:
-        if len(tree) == 1:  # (prompt tokens: a chunk, or a prompt's one uncomputed token)
-            prompt = len(step.token_ids) > 1 or not step.output_token_ids
+        if len(tree) == 1:
             return SeqSpan(step.token_ids, step.num_cached, step.block_table,
-                           prompt_len=len(step.prompt_token_ids) + len(step.output_token_ids) if prompt else 0)
+                           prompt_len=len(step.prompt_token_ids) + len(step.output_token_ids) if step.feeds_prompt else 0)
         assert len(step.token_ids) == 1, "trees follow a single uncomputed token"
         return SeqSpan(tree.tokens, step.num_cached, step.block_table,
                        positions=[step.num_cached + d for d in tree.depths], tree_mask=tree.ancestor_mask())

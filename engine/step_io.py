@@ -39,6 +39,13 @@ class SeqStep:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
+    def feeds_prompt(self) -> bool:
+        """Its new tokens are a prompt's (a chunk, or the one token a prefix-cache hit left), not
+        its last output token alone: no tree, and the kernels its whole prompt would take
+        (ForwardBatch.prompt_lens; the scheduler's side of it is Sequence.decodes_next)."""
+        return len(self.token_ids) > 1 or not self.output_token_ids
+
+    @property
     def output_position(self) -> int:
         return len(self.output_token_ids)
 

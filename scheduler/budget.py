@@ -241,12 +241,11 @@ def _shift_from(points: list[tuple[int, float]], cache: dict[int, float], x: int
     forward's point, that point comes down to the moved point's value (a forward of fewer tokens never costs
     more). Held up by it instead, x's error never closed, and every round at x pulled the
     points above x on down until they met it: over HTTP at 4 clients, a few slow plain rounds
-    of 3 sequences (as requests finished and new ones came in) raised verify(3) to 12.7 ms;
-    the 4-sequence rounds, at 9.3 ms, could not take verify(4) below it, and flattened
-    verify(4..20) onto it. Trees of 20 tokens looked as cheap as plain, the model probes drafted
-    5 tokens a sequence at 28 ms a round against 9.3 plain, and the server ran at 0.93x the
-    one without speculation (figures from a scratch trace, not kept in the repo; the test
-    reproduces the mechanism). Bringing points down is safe where the rounds that teach the
+    of 3 sequences (as requests finished and new ones came in) raised verify(3), the faster
+    4-sequence rounds could not take verify(4) below it, and verify(4..20) flattened onto it;
+    trees of 20 tokens then looked as cheap as a plain round and the model probes drafted 5
+    tokens for each of 4 sequences (test_fast_rounds_lower_slower_smaller_forwards_instead_of_
+    flattening_the_curve reproduces the collapse). Bringing points down is safe where the rounds that teach the
     curve are decode rounds only: prefill rounds, whose many cheap tokens would drag smaller
     forwards down with them, teach it nothing (`TreeBudget.observe_round`)."""
     xs = [p[0] for p in points]

@@ -71,7 +71,7 @@ def main(argv=None) -> int:
 def run(args, data: list[str]) -> int:
     import torch
     from safetensors.torch import load_file, save_file
-    from engine.loader import load_model
+    from engine.loader import load_model, read_json
     from engine.spec.eagle_head import load_eagle_head
     from engine.train.trainer import build_draft_vocab
     loaded = load_model(args.model, torch.float32, torch.device("cpu"))
@@ -79,8 +79,7 @@ def run(args, data: list[str]) -> int:
     if not 2 <= args.k <= vocab:
         raise SystemExit(f"--k must be in [2, {vocab}]")
     load_eagle_head(args.head, loaded.model, torch.float32)  # a head for another target is refused here
-    with open(os.path.join(args.head, "config.json")) as f:
-        config = json.load(f)
+    config = read_json(os.path.join(args.head, "config.json"))
     weights = load_file(os.path.join(args.head, "model.safetensors"))
     ids = assistant_ids(data, loaded.tokenizer, vocab_size=vocab)
     if not len(ids):
