@@ -19,9 +19,11 @@ class SamplingParams:
     `stop` strings are matched by the output processor on text (none before `min_tokens` tokens);
     `stop_token_ids` by the engine on ids.
     `logprobs` = number of top alternatives to return per token (None: no logprobs at all).
+    `max_tokens` None: up to the model's context (the engine resolves it when the request is
+    added, as the server does for a chat request without max_tokens).
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0: no limit
@@ -37,8 +39,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self):
-        _check(_int(self.max_tokens) and self.max_tokens >= 1,
-               f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        _check(self.max_tokens is None or (_int(self.max_tokens) and self.max_tokens >= 1),
+               f"max_tokens must be an integer >= 1 or None (up to the context), got {self.max_tokens!r}")
         _check(_finite(self.temperature) and self.temperature >= 0,
                f"temperature must be a finite number >= 0, got {self.temperature!r}")
         _check(_finite(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
@@ -47,7 +49,8 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(_finite(value) and -2 <= value <= 2, f"{name} must be in [-2, 2], got {value!r}")
-        _check(_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+        _check(_int(self.min_tokens) and 0 <= self.min_tokens
+               and (self.max_tokens is None or self.min_tokens <= self.max_tokens),
                f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
         _check(isinstance(self.logit_bias, dict), f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
         for token, bias in self.logit_bias.items():

@@ -83,6 +83,8 @@ class EngineLoop:
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
         self._validate(prompt_token_ids, params)
+        if params.max_tokens is None:  # up to the context
+            params = dataclasses.replace(params, max_tokens=self.scheduler.config.max_model_len - len(prompt_token_ids))
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         seq = Sequence(next(self._ids), list(prompt_token_ids), params, seed,
                        self.scheduler.allocator.new_table())
@@ -105,7 +107,14 @@ class EngineLoop:
             what = "is not an integer token id" if not isinstance(bad[0], int) or isinstance(bad[0], bool) else \
                 f"is outside the vocabulary [0, {self.vocab_size})"
             raise ValueError(f"prompt token id {bad[0]!r} {what}")
-        if len(prompt) + params.max_tokens > max_len:
+        if params.max_tokens is None and len(prompt) >= max_len:
+            raise PromptTooLong(
+                f"this model's maximum context length is {max_len} tokens; the prompt has {len(prompt)} "
+                f"tokens, which leaves none to generate")
+        if params.max_tokens is None and params.min_tokens > max_len - len(prompt):
+            raise ValueError(f"min_tokens is {params.min_tokens} but the context leaves "
+                             f"{max_len - len(prompt)} tokens after the prompt")
+        if params.max_tokens is not None and len(prompt) + params.max_tokens > max_len:
             raise PromptTooLong(
                 f"this model's maximum context length is {max_len} tokens; the prompt has "
                 f"{len(prompt)} tokens and max_tokens is {params.max_tokens} "

@@ -150,3 +150,15 @@ def test_cli_refuses_flags_it_would_ignore(capsys, tmp_path, tiny_llama):
     assert "--max-num-seqs does not apply to generate" in capsys.readouterr().err
     assert main(["generate", *model, "--spec", "eagle1", "--draft", "none", "--static-tree", str(tmp_path)]) == 2
     assert "Is a directory" in capsys.readouterr().err  # was an IsADirectoryError traceback
+
+
+def test_max_tokens_none_generates_up_to_the_context(tiny_llm):
+    ctx = tiny_llm.max_model_len
+    prompt = [5 + i % 50 for i in range(ctx - 7)]
+    out = tiny_llm.generate([prompt], SamplingParams(max_tokens=None, temperature=0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 7 and out.finish_reason == "length"  # was: refused (max_tokens must be an integer)
+    with pytest.raises(ValueError, match="leaves none to generate"):
+        tiny_llm.generate([[5] * ctx], SamplingParams(max_tokens=None))
+    with pytest.raises(ValueError, match="min_tokens is 8 but the context leaves 7"):
+        tiny_llm.generate([prompt], SamplingParams(max_tokens=None, min_tokens=8))
+    assert tiny_llm.allocator.num_free_blocks == tiny_llm.runner.num_blocks
