@@ -67,10 +67,10 @@ def run(args) -> dict:
     out = {"config": vars(args), "conversations": len(examples), "tokens": int(offsets[-1]),
            "loss_tokens": int(masks.sum()), "heads": {}}
     for path in args.heads.split(","):
-        weights, bias = read_head(path, loaded)
+        weights, bias, shape = read_head(path, loaded)
         d2t = weights.pop("d2t").long() if "d2t" in weights else None
         layers = tuple(head_aux_layers(path))
-        head = TrainHead(loaded.config, bias=bias, aux_layers=layers)
+        head = TrainHead(shape, bias=bias, aux_layers=layers)
         head.load_eagle_state_dict(weights)
         losses = Losses(embed, lm, d2t, 0.1)
         ev = evaluate_head(head, losses, idx, ids, masks, (feats, aux) if layers else feats, offsets, 4096, steps=3)

@@ -85,12 +85,17 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-len", type=int, default=1024, help="tokens per conversation; longer ones are cut")
     t.add_argument("--epochs", type=int, default=3)
     t.add_argument("--lr", type=float, default=3e-4)
+    t.add_argument("--warmup-steps", type=int, default=50,
+                   help="steps of linear warmup to --lr (a run of fewer than twice as many steps uses a tenth of its own)")
     t.add_argument("--batch-tokens", type=int, default=8192, help="padded tokens per optimizer step")
     t.add_argument("--noise", type=float, default=0.1, help="uniform feature noise, fraction of the features' RMS")
     t.add_argument("--regenerate", action="store_true", help="replace assistant turns with the target's own answers")
     t.add_argument("--regen-max-tokens", type=int, default=384)
-    t.add_argument("--draft-vocab", type=int, default=None, help="reduced draft vocabulary of the K most frequent tokens")
-    t.add_argument("--init", default=None, help="start from this head directory (weights and draft vocabulary)")
+    t.add_argument("--draft-vocab", type=int, default=None,
+                   help="reduced draft vocabulary of the K most frequent assistant tokens (with --init: re-picked "
+                        "on this data; without it --init's head keeps its own)")
+    t.add_argument("--init", default=None,
+                   help="start from this head directory (its weights, shapes and draft vocabulary)")
     t.add_argument("--ttt-steps", type=int, default=1,
                    help="training-time test: also train the head on its own predictions for this many steps")
     t.add_argument("--p-weight", type=float, default=0.1, help="weight of the token-distribution loss")
@@ -219,7 +224,7 @@ def cmd_train_draft(args) -> int:
     from engine.train.trainer import TrainConfig, train_draft
     cfg = TrainConfig(model=None if args.model == "default" else args.model, out=args.out, data=args.data,
                       max_conversations=args.max_conversations, max_len=args.max_len, epochs=args.epochs,
-                      lr=args.lr, batch_tokens=args.batch_tokens, noise=args.noise, draft_vocab=args.draft_vocab,
+                      lr=args.lr, warmup_steps=args.warmup_steps, batch_tokens=args.batch_tokens, noise=args.noise, draft_vocab=args.draft_vocab,
                       regenerate=args.regenerate, regen_max_tokens=args.regen_max_tokens,
                       heldout_fraction=args.heldout_fraction, snapshots=args.snapshots, seed=args.seed,
                       dtype=args.dtype, progress=not args.no_progress, init=args.init,
@@ -346,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_train_draft(args)
         if args.command == "serve":
             return cmd_serve(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # (OSError: e.g. --out under a file, --data a directory)
         print(f"eagle-serve: error: {e}", file=sys.stderr)
         return 2
     return 1

@@ -476,3 +476,187 @@ def test_ctrl_c_saves_the_training_state_and_the_same_command_resumes(tiny_llama
     assert first["step"] > 0
     log, second = interrupted_after("resuming at")
     assert f"resuming at epoch {first['epoch']}, step {first['step']}" in log and second["step"] > first["step"]
+
+
+def test_init_head_keeps_its_own_shapes(tiny_llama, tmp_path):
+    # --init with a head of other shapes (MLP width, heads): training built the target's shapes
+    # and crashed late (MLP) or silently saved the target's config over the head's (heads)
+    from engine.spec.eagle_head import load_eagle_head
+    data = write_jsonl(tmp_path / "d.jsonl", 12, seed=5)
+    init = write_eagle_head(str(tmp_path / "init"), tiny_llama[0], seed=2)
+    with open(os.path.join(init, "config.json")) as f:
+        icfg = json.load(f)
+    icfg.update(intermediate_size=48, num_attention_heads=2, num_key_value_heads=1, head_dim=16, rope_theta=5000.0)
+    from safetensors.torch import load_file, save_file
+    w = load_file(os.path.join(init, "model.safetensors"))
+    g = torch.Generator().manual_seed(3)
+    for name, shape in {"layers.0.self_attn.q_proj.weight": (32, 64), "layers.0.self_attn.k_proj.weight": (16, 64),
+                        "layers.0.self_attn.v_proj.weight": (16, 64), "layers.0.self_attn.o_proj.weight": (64, 32),
+                        "layers.0.mlp.gate_proj.weight": (48, 64), "layers.0.mlp.up_proj.weight": (48, 64),
+                        "layers.0.mlp.down_proj.weight": (64, 48)}.items():
+        w[name] = torch.randn(shape, generator=g, dtype=torch.float64) * 0.1
+    save_file(w, os.path.join(init, "model.safetensors"))
+    with open(os.path.join(init, "config.json"), "w") as f:
+        json.dump(icfg, f)
+    out = str(tmp_path / "o")
+    card = train_draft(TrainConfig(model=tiny_llama[0], out=out, data=data, max_len=64, batch_tokens=128, epochs=1,
+                                   dtype="float64", progress=False, snapshots=0, init=init), log=lambda m: None)
+    with open(os.path.join(out, "config.json")) as f:
+        ocfg = json.load(f)
+    assert (ocfg["intermediate_size"], ocfg["num_attention_heads"], ocfg["num_key_value_heads"], ocfg["rope_theta"]) \
+        == (48, 2, 1, 5000.0)
+    llm = LLM(tiny_llama[0], dtype="float64", device="cpu", kv_cache_tokens=256, block_size=4)
+    load_eagle_head(out, llm.runner.loaded.model, torch.float64)  # the serving loader takes it
+    assert card["history"][-1]["heldout_loss"] < card["history"][0]["heldout_loss"]
+
+
+def test_a_head_trained_for_a_qwen2_target_loads_and_drafts_losslessly(tmp_path):
+    # the head's config said Llama, whose layer has no q/k/v biases: the serving loader refused
+    # the trained head's biases ("unexpected weight ... qkv_proj.bias")
+    from tests.conftest import write_tiny_model
+    target = str(tmp_path / "qwen")
+    write_tiny_model(target, "qwen2")
+    out = str(tmp_path / "o")
+    train_draft(TrainConfig(model=target, out=out, data=write_jsonl(tmp_path / "d.jsonl", 10), max_len=64,
+                            batch_tokens=128, epochs=1, dtype="float64", progress=False, snapshots=0),
+                log=lambda m: None)
+    plain = LLM(target, dtype="float64", device="cpu", kv_cache_tokens=512, block_size=4)
+    spec = LLM(target, dtype="float64", device="cpu", kv_cache_tokens=512, block_size=4, draft=out,
+               spec=SpecConfig(method="eagle2", total_tokens=8, depth=3, top_k=2))
+    prompts = [[5, 9, 17, 33], [40, 41, 42]]
+    sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    assert [o.token_ids for o in spec.generate(prompts, sp)] == [o.token_ids for o in plain.generate(prompts, sp)]
+
+
+@pytest.mark.parametrize("field,value", [("p_weight", float("inf")), ("weight_decay", -0.1),
+                                         ("weight_decay", float("nan")), ("regen_max_tokens", 0),
+                                         ("warmup_steps", -1)])
+def test_more_nonsense_settings_are_refused(field, value):
+    # --p-weight inf saved a head of NaNs with exit 0; --regen-max-tokens 0 failed only after the
+    # engine was built
+    with pytest.raises(ValueError, match=field):
+        TrainConfig(model=None, out="o", **{field: value})
+
+
+def test_a_diverging_run_stops_and_writes_no_head(tiny_llama, tmp_path):
+    # --lr 1e4 trained weights to NaN and saved them with exit 0
+    from engine.train.trainer import Diverged
+    out = tmp_path / "o"
+    with pytest.raises(Diverged, match="diverged"):
+        train_draft(TrainConfig(model=tiny_llama[0], out=str(out), data=write_jsonl(tmp_path / "d.jsonl", 12),
+                                max_len=64, batch_tokens=64, epochs=2, lr=1e12, warmup_steps=0, dtype="float64",
+                                progress=False, snapshots=4), log=lambda m: None)
+    assert not (out / "model.safetensors").exists() and not (out / "snapshots").exists()
+
+
+def test_resume_keys_on_the_files_not_their_names(tiny_llama, tmp_path):
+    # new data written over the same path resumed the old run's state (and finished at once)
+    data = write_jsonl(tmp_path / "d.jsonl", 12, seed=6)
+    common = dict(model=tiny_llama[0], out=str(tmp_path / "o"), data=data, max_len=64, batch_tokens=128,
+                  epochs=1, dtype="float64", progress=False, snapshots=0)
+    train_draft(TrainConfig(**common), log=lambda m: None)
+    said = []
+    train_draft(TrainConfig(**common), log=said.append)
+    assert any("resuming at epoch 1" in m for m in said)
+    lines = open(data).read().splitlines()
+    with open(data, "w") as f:  # the same conversations in another order: same steps, other data
+        f.write("\n".join(lines[::-1]) + "\n")
+    st = os.stat(data)
+    os.utime(data, (st.st_atime, st.st_mtime + 10))
+    said = []
+    train_draft(TrainConfig(**common), log=said.append)
+    assert any("starting over" in m for m in said) and not any("resuming" in m for m in said)
+
+
+def test_out_is_never_the_init_head(tiny_llama, tmp_path):
+    init = write_eagle_head(str(tmp_path / "init"), tiny_llama[0])
+    before = open(os.path.join(init, "model.safetensors"), "rb").read()
+    with pytest.raises(DataError, match="--init head's own directory"):
+        train_draft(TrainConfig(model=tiny_llama[0], out=str(tmp_path / "x" / ".." / "init"), init=init,
+                                data=write_jsonl(tmp_path / "d.jsonl", 4), max_len=64, batch_tokens=64,
+                                dtype="float64", progress=False), log=lambda m: None)
+    assert open(os.path.join(init, "model.safetensors"), "rb").read() == before
+
+
+def test_draft_vocab_with_init_is_re_picked_and_the_full_vocabulary_is_refused(tiny_llama, tmp_path):
+    # with --init, --draft-vocab K was ignored (a full-vocabulary head stayed full, a reduced one
+    # kept its K); K at or over the vocabulary was silently the full vocabulary
+    data = write_jsonl(tmp_path / "d.jsonl", 12, seed=7)
+    common = dict(model=tiny_llama[0], data=data, max_len=64, batch_tokens=128, epochs=1, dtype="float64",
+                  progress=False, snapshots=0)
+    init = write_eagle_head(str(tmp_path / "init"), tiny_llama[0])
+    said = []
+    card = train_draft(TrainConfig(out=str(tmp_path / "o"), init=init, draft_vocab=30, **common), log=said.append)
+    assert card["draft_vocab"] == 30 and any("re-picked" in m for m in said)
+    with open(tmp_path / "o" / "config.json") as f:
+        assert json.load(f)["draft_vocab_size"] == 30
+    with pytest.raises(DataError, match="not below the target's vocabulary"):
+        train_draft(TrainConfig(out=str(tmp_path / "full"), draft_vocab=320, **common), log=lambda m: None)
+
+
+def test_a_short_run_still_reaches_its_learning_rate(tiny_llama, tmp_path, monkeypatch):
+    # warmup was 50 steps whatever the run's length: a run of 6 steps peaked at 6/50 of --lr
+    seen = []
+    step = torch.optim.AdamW.step
+
+    def record(self, *a, **k):
+        seen.append(self.param_groups[0]["lr"])
+        return step(self, *a, **k)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", record)
+    said = []
+    train_draft(TrainConfig(model=tiny_llama[0], out=str(tmp_path / "o"), data=write_jsonl(tmp_path / "d.jsonl", 12),
+                            max_len=64, batch_tokens=64, epochs=1, lr=1e-3, dtype="float64", progress=False,
+                            snapshots=0), log=said.append)
+    assert 2 <= len(seen) < 50 and max(seen) == pytest.approx(1e-3) and any("warmup" in m for m in said)
+
+
+def test_regeneration_stops_a_conversation_at_a_turn_it_cannot_answer(tiny_llm, tmp_path):
+    # a first user turn over regen_max_prompt was skipped and the second answered as if the
+    # conversation began there
+    from engine.train import trainer
+    conv = [{"role": "user", "content": " ".join(WORDS * 4)}, {"role": "assistant", "content": "fine"},
+            {"role": "user", "content": "the fox"}, {"role": "assistant", "content": "jumps"}]
+    short = [{"role": "user", "content": "the dog"}, {"role": "assistant", "content": "sleeps"}]
+    cfg = TrainConfig(model=None, out=str(tmp_path / "o"), data="x", regenerate=True, regen_max_tokens=4,
+                      regen_max_prompt=24, dtype="float64", progress=False, max_len=64, batch_tokens=64)
+    os.makedirs(cfg.out)
+    done = trainer.regenerate(cfg, [conv, short], log=lambda m: None, llm=tiny_llm)
+    assert done[0] == [] and [m["role"] for m in done[1]] == ["user", "assistant"]
+
+
+def test_data_formats_and_skipped_conversations_are_reported(tmp_path):
+    # content parts and the developer role were dropped silently, like every unusable conversation
+    path = tmp_path / "d.jsonl"
+    rows = [[{"role": "developer", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                                         {"type": "text", "text": "b"}]},
+             {"role": "assistant", "content": "c"}],
+            [{"role": "user", "content": "x"}, {"role": "tool", "content": "y"}, {"role": "assistant", "content": "z"}],
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]},
+             {"role": "assistant", "content": "z"}],
+            [{"role": "user", "content": "only a question"}]]
+    path.write_bytes(b"\xef\xbb\xbf" + "\n".join(json.dumps(r) for r in rows).encode())  # a byte-order mark first
+    said = []
+    convs = load_conversations(str(path), log=said.append)
+    assert convs == [[{"role": "system", "content": "be brief"}, {"role": "user", "content": "a\nb"},
+                      {"role": "assistant", "content": "c"}]]
+    assert len(said) == 1 and "skipped 3" in said[0] and "'tool'" in said[0] and "not text" in said[0] \
+        and "no non-empty assistant turn" in said[0]
+
+
+def test_cli_errors_are_one_line_and_leave_nothing_behind(tiny_llama, tmp_path, capsys):
+    from server.cli import main
+    data = write_jsonl(tmp_path / "d.jsonl", 4)
+    base = ["train-draft", "--model", tiny_llama[0], "--no-progress", "--dtype", "float64", "--max-len", "64",
+            "--batch-tokens", "64"]
+    cases = [(["--out", str(tmp_path / "a"), "--data", str(tmp_path)], "directory"),
+             (["--out", str(tmp_path / "d.jsonl" / "sub"), "--data", str(data)], ""),
+             (["--out", str(tmp_path / "b"), "--data", str(data), "--regen-max-tokens", "0", "--regenerate"],
+              "regen_max_tokens")]
+    for args, word in cases:
+        assert main(base + args) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and err.startswith("eagle-serve: error:") and word in err, err
+    assert main(["train-draft", "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "c"), "--data", str(data),
+                 "--no-progress"]) == 2
+    assert not (tmp_path / "c").exists()

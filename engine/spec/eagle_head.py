@@ -137,7 +137,8 @@ def _read_weights(path: str) -> dict[str, torch.Tensor]:
     raise ModelLoadError(f"{path}: no model.safetensors or pytorch_model.bin for the draft head")
 
 
-def load_eagle_head(path: str, target: LlamaForCausalLM, dtype: torch.dtype) -> EagleHead:
+def read_head_config(path: str) -> tuple[dict, ModelConfig]:
+    """A head directory's config.json, as read and as the one-layer model it describes."""
     cfg_file = os.path.join(path, "config.json")
     if not os.path.exists(cfg_file):
         raise ModelLoadError(f"draft head {path!r}: missing config.json")
@@ -146,7 +147,11 @@ def load_eagle_head(path: str, target: LlamaForCausalLM, dtype: torch.dtype) -> 
         raise ModelLoadError(f"{cfg_file}: not a JSON object")
     raw = {**raw, "num_hidden_layers": 1}
     raw.setdefault("architectures", ["LlamaForCausalLM"])
-    cfg = ModelConfig.from_hf(raw, cfg_file)
+    return raw, ModelConfig.from_hf(raw, cfg_file)
+
+
+def load_eagle_head(path: str, target: LlamaForCausalLM, dtype: torch.dtype) -> EagleHead:
+    raw, cfg = read_head_config(path)
     t = target.config
     if (cfg.hidden_size, cfg.vocab_size) != (t.hidden_size, t.vocab_size):
         raise ModelLoadError(f"draft head {path!r} (hidden {cfg.hidden_size}, vocab {cfg.vocab_size}) does "

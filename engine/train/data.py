@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from engine.tokenizer import Tokenizer
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
-         "bing": "assistant", "bard": "assistant", "model": "assistant", "system": "system"}
+         "bing": "assistant", "bard": "assistant", "model": "assistant", "system": "system", "developer": "system"}
 
 
 class DataError(ValueError):
@@ -36,43 +36,67 @@ class Example:
         return sum(self.mask)
 
 
-def load_conversations(source: str, max_conversations: int | None = None) -> list[list[dict]]:
+def load_conversations(source: str, max_conversations: int | None = None, log=None) -> list[list[dict]]:
     """Normalised conversations (role/content dicts, starting with system or user, with at least
-    one non-empty assistant turn). Conversations that cannot be used are skipped and counted;
-    a source with none left is an error."""
+    one non-empty assistant turn). Conversations that cannot be used are skipped, counted by
+    reason and reported through `log`; a source with none left is an error naming the reasons."""
     raw = _read_sharegpt() if source == "sharegpt" else _read_jsonl(source)
-    out, skipped = [], 0
+    out, reasons = [], {}
     for item in raw:
-        conv = normalise(item)
+        conv = normalise(item, reasons)
         if conv is None:
-            skipped += 1
             continue
         out.append(conv)
         if max_conversations is not None and len(out) >= max_conversations:
             break
+    why = "; ".join(f"{n} {r}" for r, n in sorted(reasons.items(), key=lambda kv: -kv[1]))
     if not out:
         raise DataError(f"{source}: no usable conversation (each needs a user turn followed by a "
-                        f"non-empty assistant turn; {skipped} skipped)")
+                        f"non-empty assistant turn; {sum(reasons.values())} skipped{': ' + why if why else ''})")
+    if reasons and log is not None:
+        log(f"data: skipped {sum(reasons.values())} conversation(s) of {source}: {why}")
     return out
 
 
-def normalise(item) -> list[dict] | None:
-    """Role/content dicts (an assistant turn may keep `token_ids`: the exact ids generated)."""
+def _content(content):
+    """A message's text: a string, or OpenAI content parts of type text (joined by newlines, as
+    the server joins them); None for anything else (images, audio)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+        return "\n".join(p["text"] for p in content)
+    return None
+
+
+def normalise(item, reasons: dict | None = None) -> list[dict] | None:
+    """Role/content dicts (an assistant turn may keep `token_ids`: the exact ids generated).
+    None for a conversation that cannot be used; `reasons` counts why."""
+    def skip(reason: str):
+        if reasons is not None:
+            reasons[reason] = reasons.get(reason, 0) + 1
+        return None
+
     msgs = item.get("messages", item.get("conversations")) if isinstance(item, dict) else item
     if not isinstance(msgs, list):
-        return None
+        return skip("not a list of messages")
     conv = []
     for m in msgs:
         if not isinstance(m, dict):
-            return None
-        role = ROLES.get(str(m.get("role", m.get("from", ""))).lower())
-        content = m.get("content", m.get("value"))
-        if role is None or not isinstance(content, str) or not _encodable(content):
-            return None
+            return skip("a message that is not an object")
+        name = m.get("role", m.get("from", ""))
+        role = ROLES.get(str(name).lower())
+        if role is None:
+            return skip(f"role {str(name)[:20]!r}")
+        content = _content(m.get("content", m.get("value")))
+        if content is None:
+            return skip("content that is not text")
+        if not _encodable(content):
+            return skip("text with no UTF-8 form (a lone surrogate)")
         ids = m.get("token_ids")
         if ids is not None and (role != "assistant" or not isinstance(ids, list)
-                                or not all(isinstance(i, int) and i >= 0 for i in ids)):
-            return None
+                                or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)):
+            return skip("bad token_ids")
         if conv and conv[-1]["role"] == role:  # merge runs of one role (ShareGPT has a few)
             conv[-1] = {"role": role, "content": conv[-1]["content"] + "\n\n" + content}
         else:
@@ -80,7 +104,7 @@ def normalise(item) -> list[dict] | None:
     while conv and conv[0]["role"] == "assistant":
         conv.pop(0)
     if not any(m["role"] == "assistant" and m["content"].strip() for m in conv):
-        return None
+        return skip("no non-empty assistant turn after a user turn")
     while conv and conv[-1]["role"] != "assistant":
         conv.pop()
     return conv
@@ -176,6 +200,8 @@ def _read_jsonl(path: str):
     with open(path, "rb") as f:
         raw = f.read().split(b"\n")
     lines = []
+    if raw[0].startswith(b"\xef\xbb\xbf"):  # a byte-order mark (some editors write one)
+        raw[0] = raw[0][3:]
     for n, line in enumerate(raw, 1):
         try:
             text = line.decode("utf-8")

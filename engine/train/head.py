@@ -159,15 +159,24 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 def head_config(target: ModelConfig, bias: bool, draft_vocab: int | None, aux_layers: tuple[int, ...] = ()) -> dict:
-    """config.json of a one-layer Llama matching the target (the EAGLE layout)."""
+    """config.json of a one-layer decoder with `target`'s shapes (the EAGLE layout): a Llama, or
+    for a target whose attention has q/k/v biases only (Qwen2) a Qwen2 layer, so the serving
+    loader builds the layer the weights are for (a Llama config lost the biases: the head
+    trained for a Qwen2 target did not load)."""
+    qwen = target.qkv_bias and not target.o_bias
     cfg = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 1,
+        "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
+        "model_type": "qwen2" if qwen else "llama", "num_hidden_layers": 1,
         "hidden_size": target.hidden_size, "intermediate_size": target.intermediate_size,
         "num_attention_heads": target.num_heads, "num_key_value_heads": target.num_kv_heads,
         "head_dim": target.head_dim, "vocab_size": target.vocab_size, "rms_norm_eps": target.rms_norm_eps,
         "rope_theta": target.rope_theta, "max_position_embeddings": target.max_position_embeddings,
         "bias": bias, "torch_dtype": "bfloat16",
     }
+    if target.qkv_bias and target.o_bias:
+        cfg["attention_bias"] = True
+    if target.mlp_bias:
+        cfg["mlp_bias"] = True
     if target.rope_scaling:
         cfg["rope_scaling"] = target.rope_scaling
     if draft_vocab:

@@ -42,6 +42,17 @@ class Interrupted(Exception):
     """Training stopped on STOP with its state saved."""
 
 
+class Diverged(DataError):
+    """Training met a non-finite loss, gradient or weight: no head is written (one of NaNs was
+    saved with exit 0)."""
+
+
+def _check_finite(head, where: str) -> None:
+    if not all(bool(torch.isfinite(p).all()) for p in head.parameters()):
+        raise Diverged(f"the head's weights are not finite {where}: training diverged (try a lower --lr); "
+                       f"no head written")
+
+
 @dataclass
 class TrainConfig:
     model: str | None
@@ -85,7 +96,13 @@ class TrainConfig:
                   (self.draft_vocab is None or self.draft_vocab >= 2, "draft_vocab must be >= 2"),
                   (1 <= self.ttt_steps <= 8, "ttt_steps must be in [1, 8]"),
                   (0 < self.ttt_decay <= 1, "ttt_decay must be in (0, 1]"),
-                  (self.p_weight >= 0, "p_weight must be >= 0"),
+                  (math.isfinite(self.p_weight) and self.p_weight >= 0, "p_weight must be a finite number >= 0"),
+                  (math.isfinite(self.weight_decay) and self.weight_decay >= 0,
+                   "weight_decay must be a finite number >= 0"),
+                  (self.warmup_steps >= 0, "warmup_steps must be >= 0"),
+                  (self.regen_max_tokens >= 1, "regen_max_tokens must be >= 1"),
+                  (self.regen_max_prompt >= 1, "regen_max_prompt must be >= 1"),
+                  (self.regen_max_turns >= 1, "regen_max_turns must be >= 1"),
                   (len(set(self.aux_layers)) == len(self.aux_layers) and all(i >= 0 for i in self.aux_layers),
                    "aux_layers must be distinct layer indices >= 0")]
         for ok, msg in checks:
@@ -94,19 +111,22 @@ class TrainConfig:
 
     def data_key(self) -> str:
         """What the cached features depend on: resuming with other data settings starts over."""
-        keys = (self.model or "default", self.data, self.max_conversations, self.max_len, self.regenerate,
+        # the files as they are, not their names: a file replaced at the same path starts over
+        keys = (_source_key(self.model or "default"), _source_key(self.data), self.max_conversations, self.max_len,
+                self.regenerate,
                 self.regen_max_tokens, self.regen_max_prompt, self.regen_max_turns, self.dtype)
         return hashlib.sha256(repr(keys).encode()).hexdigest()[:16]
 
     def feature_key(self) -> str:
         """What a token's cached target features depend on besides its conversation."""
+        model = _source_key(self.model or "default")
         if not self.aux_layers:
-            return repr((self.model or "default", self.dtype))
-        return repr((self.model or "default", self.dtype, tuple(self.aux_layers)))
+            return repr((model, self.dtype))
+        return repr((model, self.dtype, tuple(self.aux_layers)))
 
     def train_key(self) -> str:
         """What a resumable training state depends on beyond the data."""
-        keys = (self.data_key(), self.init, self.ttt_steps, self.ttt_decay, self.p_weight, self.lr,
+        keys = (self.data_key(), self.init and _source_key(self.init), self.ttt_steps, self.ttt_decay, self.p_weight, self.lr,
                 self.batch_tokens, self.draft_vocab, self.epochs, self.noise, self.weight_decay,
                 self.warmup_steps, self.seed, self.heldout_fraction, self.bias) + \
             ((tuple(self.aux_layers),) if self.aux_layers else ())
@@ -118,6 +138,9 @@ def _check_out(cfg: TrainConfig) -> None:
     own directory (--out = --model) wrote its head over the target's config.json and weights."""
     if cfg.model and os.path.exists(cfg.model) and os.path.realpath(cfg.model) == os.path.realpath(cfg.out):
         raise DataError(f"--out {cfg.out} is the target model's own directory: the head would overwrite it")
+    if cfg.init and os.path.exists(cfg.init) and os.path.realpath(cfg.init) == os.path.realpath(cfg.out):
+        raise DataError(f"--out {cfg.out} is the --init head's own directory: the new head would overwrite the "
+                        f"one it starts from; pick a new directory")
     if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
         raise DataError(f"--out {cfg.out} is a file, not a directory")
     if os.path.exists(os.path.join(cfg.out, "config.json")) and not os.path.exists(os.path.join(cfg.out, "card.json")):
@@ -130,13 +153,13 @@ def train_draft(cfg: TrainConfig, log=print) -> dict:
     TRAINING.clear()
     torch.manual_seed(cfg.seed)
     _check_out(cfg)
-    os.makedirs(cfg.out, exist_ok=True)
     from engine.loader import load_model
     from engine.model_runner import resolve_device, resolve_dtype
     device = resolve_device("auto")
     dtype = resolve_dtype(cfg.dtype, device)
     t_start = time.time()
     loaded = load_model(cfg.model, dtype, device)
+    os.makedirs(cfg.out, exist_ok=True)  # (after the model: a bad --model left an empty OUT behind)
     if device.type == "cpu":
         loaded.model.prepack()
     if loaded.tokenizer is None or not loaded.tokenizer.chat_template:
@@ -146,6 +169,9 @@ def train_draft(cfg: TrainConfig, log=print) -> dict:
         log(f"max_len {cfg.max_len} is over the target's context of {context} tokens: using {context}")
         cfg.max_len = context
     n_layers = loaded.config.num_layers
+    if cfg.draft_vocab is not None and cfg.draft_vocab >= loaded.config.vocab_size:
+        raise DataError(f"--draft-vocab {cfg.draft_vocab} is not below the target's vocabulary of "
+                        f"{loaded.config.vocab_size} tokens: leave it out to draft over the full vocabulary")
     if any(i >= n_layers - 1 for i in cfg.aux_layers):  # before hours of regeneration
         raise DataError(f"--aux-layers must be below the target's last layer ({n_layers - 1}): its output is "
                         f"the feature every head reads already")
@@ -156,7 +182,7 @@ def train_draft(cfg: TrainConfig, log=print) -> dict:
         if init_aux and tuple(init_aux) != tuple(cfg.aux_layers):
             raise DataError(f"--init {cfg.init} fuses target layers {list(init_aux)}; pass --aux-layers "
                             f"{','.join(map(str, init_aux))} (got {list(cfg.aux_layers) or 'none'})")
-    convs = load_conversations(cfg.data, cfg.max_conversations)
+    convs = load_conversations(cfg.data, cfg.max_conversations, log)
     if not cfg.regenerate:  # (regeneration replaces the assistant turns, ids and all)
         check_token_ids(convs, loaded.config.vocab_size, cfg.data)
     log(f"data: {len(convs)} conversations from {cfg.data}")
@@ -204,10 +230,19 @@ def split_heldout(examples: list[Example], fraction: float, seed: int) -> tuple[
 # ---------------------------------------------------------------------------- regeneration
 
 def _source_key(name: str):
-    """A data or model source as its file: real path, size and modification time (a name such as
-    `sharegpt` or `default` as it is)."""
+    """A data or model source as its file: real path, size and modification time; a directory
+    (a model, a head) as its path and those of the files in it (a checkpoint rewritten in place
+    leaves the directory's own time as it was); a name such as `sharegpt` or `default` as it is."""
     if not os.path.exists(name):
         return name
+    if os.path.isdir(name):
+        files = []
+        for f in sorted(os.listdir(name)):
+            p = os.path.join(name, f)
+            if os.path.isfile(p):
+                st = os.stat(p)
+                files.append((f, st.st_size, st.st_mtime_ns))
+        return (os.path.realpath(name), tuple(files))
     st = os.stat(name)
     return (os.path.realpath(name), st.st_size, int(st.st_mtime))
 
@@ -264,10 +299,11 @@ def regenerate(cfg: TrainConfig, convs: list[list[dict]], log, llm=None) -> list
             new = [[m for m in c[:1] if m["role"] == "system"] for c in batch]
             turns = min(cfg.regen_max_turns, max(sum(m["role"] == "user" for m in c) for c in batch))
             user_turns = [[m for m in c if m["role"] == "user"] for c in batch]
+            stopped = [False] * len(batch)
             for t in range(turns):
                 todo, prompts = [], []
                 for i, c in enumerate(new):
-                    if t < len(user_turns[i]):
+                    if t < len(user_turns[i]) and not stopped[i]:
                         hist = c + [user_turns[i][t]]
                         ids = tok.encode_chat(hist)
                         # an answer never runs past the context (a whole run failed on one long prompt)
@@ -275,6 +311,8 @@ def regenerate(cfg: TrainConfig, convs: list[list[dict]], log, llm=None) -> list
                             todo.append(i)
                             prompts.append(ids)
                             new[i] = hist
+                        else:  # a later turn would be answered without this one in its history
+                            stopped[i] = True
                 if not todo:
                     break
                 params = [SamplingParams(max_tokens=min(cfg.regen_max_tokens, context - len(p)), temperature=0.0)
@@ -521,35 +559,44 @@ def fit(cfg: TrainConfig, loaded, ids, masks, feats, offsets, train_idx, held_id
     vocab = lm.shape[0]
     train_tok = torch.cat([torch.arange(int(offsets[i]), int(offsets[i + 1])) for i in train_idx])
     d2t = None
-    init, bias = read_head(cfg.init, loaded) if cfg.init else (None, cfg.bias)
-    if init is not None and "d2t" in init:
-        d2t = init.pop("d2t").long()
-        coverage = float(torch.isin(ids[train_tok][masks[train_tok]], d2t).float().mean())
-        if cfg.draft_vocab and cfg.draft_vocab != len(d2t):
-            log(f"--draft-vocab {cfg.draft_vocab} ignored: the head from --init has its own vocabulary")
-        log(f"draft vocabulary from {cfg.init}: {len(d2t)} tokens, covering {coverage:.4f} of assistant tokens")
-    elif init is None and cfg.draft_vocab and cfg.draft_vocab < vocab:
+    # a head started from --init keeps that head's shapes (heads, kv heads, MLP width, rope), as
+    # the serving loader builds it from its own config.json: the target's were used, and a head
+    # of another shape trained as the target's and saved with the wrong config (or crashed late)
+    init, bias, shape = read_head(cfg.init, loaded) if cfg.init else (None, cfg.bias, mcfg)
+    init_d2t = init.pop("d2t").long() if init is not None and "d2t" in init else None
+    if cfg.draft_vocab is not None:
+        # (the head's weights do not depend on the vocabulary: --init's head can take a new one)
         d2t = build_draft_vocab(ids[train_tok], masks[train_tok], cfg.draft_vocab, vocab, sorted(loaded.eos_token_ids))
         coverage = float(torch.isin(ids[train_tok][masks[train_tok]], d2t).float().mean())
-        log(f"draft vocabulary: {cfg.draft_vocab} of {vocab} tokens, covering {coverage:.4f} of assistant tokens")
+        log(f"draft vocabulary: {cfg.draft_vocab} of {vocab} tokens, covering {coverage:.4f} of assistant tokens"
+            + (f" (re-picked on this data; --init's head had {len(init_d2t) if init_d2t is not None else 'all'})"
+               if init is not None else ""))
+    elif init_d2t is not None:
+        d2t = init_d2t
+        coverage = float(torch.isin(ids[train_tok][masks[train_tok]], d2t).float().mean())
+        log(f"draft vocabulary from {cfg.init}: {len(d2t)} tokens, covering {coverage:.4f} of assistant tokens")
     else:
         coverage = 1.0
     losses = Losses(embed, lm, d2t, cfg.p_weight)
     base = feats[0] if isinstance(feats, tuple) else feats
     rms = float(base[train_tok[:200000]].float().pow(2).mean().sqrt())
     noise_amp = cfg.noise * rms
-    head = TrainHead(mcfg, bias=bias, aux_layers=tuple(cfg.aux_layers))
+    head = TrainHead(shape, bias=bias, aux_layers=tuple(cfg.aux_layers))
     if init is not None:
         head.load_eagle_state_dict(init)  # aux layers checked against --init's at the start
         log(f"starting from the head in {cfg.init}")
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     steps_per_epoch = len(_batches(train_idx, offsets, cfg.batch_tokens, random.Random(0)))
     total_steps = steps_per_epoch * cfg.epochs
+    warmup = cfg.warmup_steps
+    if warmup > total_steps // 2:  # a short run never reached --lr (50 warmup steps of 20)
+        warmup = total_steps // 10
+        log(f"warmup: {cfg.warmup_steps} steps is over half of this run's {total_steps}; using {warmup}")
 
     def lr_at(step):
-        if step < cfg.warmup_steps:
-            return cfg.lr * (step + 1) / cfg.warmup_steps
-        prog = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
+        if step < warmup:
+            return cfg.lr * (step + 1) / warmup
+        prog = (step - warmup) / max(1, total_steps - warmup)
         return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, prog))))
 
     tokens_per_epoch = int(sum(int(offsets[i + 1] - offsets[i]) for i in train_idx))
@@ -570,7 +617,7 @@ def fit(cfg: TrainConfig, loaded, ids, masks, feats, offsets, train_idx, held_id
             shutil.rmtree(os.path.join(cfg.out, "snapshots"), ignore_errors=True)
             if os.path.exists(log_path):
                 os.replace(log_path, log_path + ".old")
-    hcfg = head_config(mcfg, bias, len(d2t) if d2t is not None else None, tuple(cfg.aux_layers))
+    hcfg = head_config(shape, bias, len(d2t) if d2t is not None else None, tuple(cfg.aux_layers))
 
     def save_state():
         tmp = ckpt + ".part"
@@ -603,9 +650,15 @@ def fit(cfg: TrainConfig, loaded, ids, masks, feats, offsets, train_idx, held_id
             if r is None:
                 continue
             loss, (v, p, a, n, _, _) = r
+            if not math.isfinite(loss.item()):
+                raise Diverged(f"the loss is {loss.item()} at epoch {epoch + 1}, step {state['step'] + 1}: training "
+                               f"diverged (try a lower --lr); no head written")
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
+            norm = torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
+            if not math.isfinite(norm.item()):
+                raise Diverged(f"the gradient is not finite at epoch {epoch + 1}, step {state['step'] + 1}: training "
+                               f"diverged (try a lower --lr); no head written")
             opt.step()
             state["step"] += 1
             state["elapsed"] = time.time() - t_resume
@@ -617,6 +670,7 @@ def fit(cfg: TrainConfig, loaded, ids, masks, feats, offsets, train_idx, held_id
             if state["step"] % cfg.save_every == 0:
                 save_state()
             if snap_every and state["step"] % snap_every == 0:
+                _check_finite(head, f"at step {state['step']}")
                 save_head(head, os.path.join(cfg.out, "snapshots", f"tokens_{state['tokens']:09d}"), hcfg, d2t)
             if STOP.is_set():
                 save_state()
@@ -641,6 +695,7 @@ def fit(cfg: TrainConfig, loaded, ids, masks, feats, offsets, train_idx, held_id
             "train_seconds": round(state["elapsed"], 1),
             "history": state["history"], "config": {k: v for k, v in asdict(cfg).items() if k != "extra"},
             **final, **cfg.extra}
+    _check_finite(head, "at the end")
     save_head(head, cfg.out, hcfg, d2t, extra={"eagle_serve_card": "card.json"})
     with open(os.path.join(cfg.out, "card.json"), "w") as f:
         json.dump(card, f, indent=2)
@@ -681,19 +736,21 @@ def evaluate_head(head, losses: "Losses", idx: list[int], ids, masks, feats, off
                if steps > 1 else {})}
 
 
-def read_head(path: str, loaded) -> tuple[dict[str, torch.Tensor], bool]:
-    """The weights (float32, published EAGLE names, `d2t` kept) of a head directory and whether
-    it has biases. The serving loader checks it first (config, shapes, d2t), so --init takes
-    exactly the heads --draft takes."""
+def read_head(path: str, loaded):
+    """(weights, bias, shape) of a head directory: its weights (float32, published EAGLE names,
+    `d2t` kept), whether it has biases, and the layer's ModelConfig from its config.json. The
+    serving loader checks it first (config, shapes, d2t), so --init takes exactly the heads
+    --draft takes."""
     from engine.loader import ModelLoadError
-    from engine.spec.eagle_head import _read_weights, load_eagle_head
+    from engine.spec.eagle_head import _read_weights, load_eagle_head, read_head_config
     try:
         load_eagle_head(path, loaded.model, torch.float32)
+        shape = read_head_config(path)[1]
         raw = _read_weights(path)
     except (ModelLoadError, OSError, ValueError) as e:
         raise DataError(f"--init {path}: {e}") from e
     w = {k.removeprefix("model."): v for k, v in raw.items() if not k.endswith("embed_tokens.weight")}
-    return {k: (v if k == "d2t" else v.float()) for k, v in w.items()}, "fc.bias" in w
+    return {k: (v if k == "d2t" else v.float()) for k, v in w.items()}, "fc.bias" in w, shape
 
 
 def _bar(total: int, desc: str, enabled: bool, initial: int = 0):
