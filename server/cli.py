@@ -11,7 +11,9 @@ from engine.config import ATTENTIONS, DEVICES, DTYPES
 from engine.spec.config import METHODS
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
+def _add_engine_args(p: argparse.ArgumentParser, batch: bool = True) -> None:
+    """batch: the command serves many sequences (generate runs one: --max-num-seqs is refused there,
+    and kept out of its --help)."""
     p.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=DTYPES)
     p.add_argument("--device", default="auto", help=f"one of {DEVICES} or cuda:N")
@@ -36,7 +38,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fixed-tree", action="store_true",
                    help="verify the configured tree every round (default: the load-aware tree budget sizes it)")
     p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int, default=64 if batch else None,
+                   help="sequences running at once" if batch else argparse.SUPPRESS)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-prefill-chunk", type=int, default=512, help="prompt tokens a sequence feeds per step")
     p.add_argument("--no-cuda-graphs", action="store_true", help="CUDA: run every forward eagerly (no captured graphs)")
@@ -49,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eagle-serve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate a completion for one prompt")
-    _add_engine_args(g)
+    _add_engine_args(g, batch=False)
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     g.add_argument("--max-tokens", type=int, default=128)
@@ -58,7 +61,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sampling-top-k", type=int, default=-1, help="sample among the k most likely tokens")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true")
-    g.set_defaults(max_num_seqs=None)  # generate runs one prompt: the flag is refused there (cmd_generate)
     g.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
                        description="Every flag can also be set as EAGLE_SERVE_<FLAG> (e.g. EAGLE_SERVE_PORT=9000).")

@@ -2,6 +2,7 @@
 sampling-parameter types, prompt forms, chat messages, calls that end early or run at once."""
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import threading
@@ -148,6 +149,9 @@ def test_cli_refuses_flags_it_would_ignore(capsys, tmp_path, tiny_llama):
         assert f"--draft does not apply to --spec {method}" in capsys.readouterr().err
     assert main(["generate", *model, "--max-num-seqs", "4"]) == 2  # generate ran one sequence whatever it said
     assert "--max-num-seqs does not apply to generate" in capsys.readouterr().err
+    from server.cli import build_parser  # nor does generate's --help offer it
+    gen = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["generate"]
+    assert "--max-num-seqs" not in gen.format_help() and "--max-prefill-chunk" in gen.format_help()
     assert main(["generate", *model, "--spec", "eagle1", "--draft", "none", "--static-tree", str(tmp_path)]) == 2
     assert "Is a directory" in capsys.readouterr().err  # was an IsADirectoryError traceback
 
