@@ -12,13 +12,17 @@ from engine.spec.tree import chain, root_only
 
 
 def write_eagle_head(path: str, target_dir: str, seed: int = 0, std: float = 0.1, stray_embed: bool = True,
-                     hidden: int | None = None) -> str:
-    """A random EAGLE-1/2 head in the published layout for the model in `target_dir`."""
+                     hidden: int | None = None, inter: int | None = None, heads: int | None = None,
+                     kv: int | None = None, head_dim: int | None = None, rope_theta: float = 10000.0) -> str:
+    """A random EAGLE-1/2 head in the published layout for the model in `target_dir` (its
+    shapes the target's unless given)."""
     with open(os.path.join(target_dir, "config.json")) as f:
         tcfg = json.load(f)
     h = hidden or tcfg["hidden_size"]
-    inter, heads, kv = tcfg["intermediate_size"], tcfg["num_attention_heads"], tcfg["num_key_value_heads"]
-    d = h // heads
+    inter = inter or tcfg["intermediate_size"]
+    heads = heads or tcfg["num_attention_heads"]
+    kv = kv or tcfg["num_key_value_heads"]
+    d = head_dim or h // heads
     gen = torch.Generator().manual_seed(seed)
     rnd = lambda *shape: (torch.randn(*shape, generator=gen, dtype=torch.float64) * std)  # noqa: E731
     w = {"fc.weight": rnd(h, 2 * h), "fc.bias": rnd(h),
@@ -36,7 +40,7 @@ def write_eagle_head(path: str, target_dir: str, seed: int = 0, std: float = 0.1
     cfg = {"architectures": ["LlamaForCausalLM"], "bias": True, "hidden_size": h, "intermediate_size": inter,
            "num_attention_heads": heads, "num_key_value_heads": kv, "num_hidden_layers": 1,
            "vocab_size": tcfg["vocab_size"], "rms_norm_eps": 1e-6, "max_position_embeddings": 512,
-           "rope_theta": 10000.0, "hidden_act": "silu"}
+           "rope_theta": rope_theta, "hidden_act": "silu", **({"head_dim": head_dim} if head_dim else {})}
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
     return path

@@ -318,7 +318,7 @@ def test_ttt_training_and_init_warm_start(tiny_llama, tmp_path):
     again = train_draft(TrainConfig(out=str(tmp_path / "second"), epochs=1, init=first, **{**common, "draft_vocab": None}),
                         log=logs.append)
     assert abs(again["history"][0]["heldout_loss"] - hist[-1]["heldout_loss"]) < 1e-3
-    assert any("draft vocabulary from" in m for m in logs)
+    assert any("draft vocabulary: 40 tokens from" in m for m in logs)
     with pytest.raises(DataError, match="--init .*config.json"):
         train_draft(TrainConfig(out=str(tmp_path / "third"), epochs=1, init=str(tmp_path), **common), log=lambda m: None)
 
@@ -483,21 +483,8 @@ def test_init_head_keeps_its_own_shapes(tiny_llama, tmp_path):
     # and crashed late (MLP) or silently saved the target's config over the head's (heads)
     from engine.spec.eagle_head import load_eagle_head
     data = write_jsonl(tmp_path / "d.jsonl", 12, seed=5)
-    init = write_eagle_head(str(tmp_path / "init"), tiny_llama[0], seed=2)
-    with open(os.path.join(init, "config.json")) as f:
-        icfg = json.load(f)
-    icfg.update(intermediate_size=48, num_attention_heads=2, num_key_value_heads=1, head_dim=16, rope_theta=5000.0)
-    from safetensors.torch import load_file, save_file
-    w = load_file(os.path.join(init, "model.safetensors"))
-    g = torch.Generator().manual_seed(3)
-    for name, shape in {"layers.0.self_attn.q_proj.weight": (32, 64), "layers.0.self_attn.k_proj.weight": (16, 64),
-                        "layers.0.self_attn.v_proj.weight": (16, 64), "layers.0.self_attn.o_proj.weight": (64, 32),
-                        "layers.0.mlp.gate_proj.weight": (48, 64), "layers.0.mlp.up_proj.weight": (48, 64),
-                        "layers.0.mlp.down_proj.weight": (64, 48)}.items():
-        w[name] = torch.randn(shape, generator=g, dtype=torch.float64) * 0.1
-    save_file(w, os.path.join(init, "model.safetensors"))
-    with open(os.path.join(init, "config.json"), "w") as f:
-        json.dump(icfg, f)
+    init = write_eagle_head(str(tmp_path / "init"), tiny_llama[0], seed=2, inter=48, heads=2, kv=1, head_dim=16,
+                            rope_theta=5000.0)
     out = str(tmp_path / "o")
     card = train_draft(TrainConfig(model=tiny_llama[0], out=out, data=data, max_len=64, batch_tokens=128, epochs=1,
                                    dtype="float64", progress=False, snapshots=0, init=init), log=lambda m: None)
@@ -508,6 +495,31 @@ def test_init_head_keeps_its_own_shapes(tiny_llama, tmp_path):
     llm = LLM(tiny_llama[0], dtype="float64", device="cpu", kv_cache_tokens=256, block_size=4)
     load_eagle_head(out, llm.runner.loaded.model, torch.float64)  # the serving loader takes it
     assert card["history"][-1]["heldout_loss"] < card["history"][0]["heldout_loss"]
+
+
+def test_training_rotates_positions_as_serving_does(tmp_path):
+    # serving rotates a head with the target's rope_theta and head_dim by the target's rotary
+    # (its scaling included, which published heads' configs leave out); training an --init head
+    # must use the same one, and a head of another head_dim its own (serving took the target's
+    # table of the wrong width for it)
+    from tests.conftest import write_tiny_model
+    from engine.train.head import TrainHead
+    from engine.train.trainer import read_head
+    target = str(tmp_path / "scaled")
+    write_tiny_model(target, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    plain = LLM(target, dtype="float64", device="cpu", kv_cache_tokens=512, block_size=4)
+    loaded = plain.runner.loaded
+    pos = torch.arange(300)
+    shared = read_head(write_eagle_head(str(tmp_path / "h1"), target), loaded)[2]
+    for got, want in zip(TrainHead(shared).rotary.lookup(pos, torch.float64),
+                         loaded.model.model.rotary.lookup(pos, torch.float64)):
+        assert torch.equal(got, want)
+    wide = write_eagle_head(str(tmp_path / "h2"), target, heads=2, kv=1, head_dim=32)
+    assert read_head(wide, loaded)[2].head_dim == 32
+    spec = LLM(target, dtype="float64", device="cpu", kv_cache_tokens=512, block_size=4, draft=wide,
+               spec=SpecConfig(method="eagle2", total_tokens=8, depth=3, top_k=2))
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    assert spec.generate([[5, 9, 17]], sp)[0].token_ids == plain.generate([[5, 9, 17]], sp)[0].token_ids
 
 
 def test_a_head_trained_for_a_qwen2_target_loads_and_drafts_losslessly(tmp_path):
@@ -566,15 +578,35 @@ def test_resume_keys_on_the_files_not_their_names(tiny_llama, tmp_path):
     said = []
     train_draft(TrainConfig(**common), log=said.append)
     assert any("starting over" in m for m in said) and not any("resuming" in m for m in said)
+    # what does not change the inputs keeps the state: an --init head copied afresh (same bytes),
+    # a file the loader does not read added to the model's directory
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama[0], model)
+    src, head = tmp_path / "head_src", tmp_path / "head"
+    shutil.copytree(tmp_path / "o", src, ignore=shutil.ignore_patterns("cache", "train_*", "snapshots"))
+    shutil.copytree(src, head)
+    again = {**common, "model": str(model), "init": str(head)}
+    train_draft(TrainConfig(**again), log=lambda m: None)
+    shutil.rmtree(head)
+    time.sleep(0.01)
+    shutil.copytree(src, head)
+    (model / "README.md").write_text("notes")
+    said = []
+    train_draft(TrainConfig(**again), log=said.append)
+    assert any("resuming at epoch 1" in m for m in said) and not any("computing" in m for m in said), said
 
 
 def test_out_is_never_the_init_head(tiny_llama, tmp_path):
-    init = write_eagle_head(str(tmp_path / "init"), tiny_llama[0])
+    # an --init head that a train-draft run wrote (card.json and all) was trained over in place
+    data = write_jsonl(tmp_path / "d.jsonl", 8)
+    common = dict(model=tiny_llama[0], data=data, max_len=64, batch_tokens=64, epochs=1, dtype="float64",
+                  progress=False, snapshots=0)
+    init = str(tmp_path / "init")
+    train_draft(TrainConfig(out=init, **common), log=lambda m: None)
     before = open(os.path.join(init, "model.safetensors"), "rb").read()
     with pytest.raises(DataError, match="--init head's own directory"):
-        train_draft(TrainConfig(model=tiny_llama[0], out=str(tmp_path / "x" / ".." / "init"), init=init,
-                                data=write_jsonl(tmp_path / "d.jsonl", 4), max_len=64, batch_tokens=64,
-                                dtype="float64", progress=False), log=lambda m: None)
+        train_draft(TrainConfig(out=str(tmp_path / "x" / ".." / "init"), init=init, **{**common, "lr": 1e-2}),
+                    log=lambda m: None)
     assert open(os.path.join(init, "model.safetensors"), "rb").read() == before
 
 
@@ -656,7 +688,8 @@ def test_cli_errors_are_one_line_and_leave_nothing_behind(tiny_llama, tmp_path, 
     for args, word in cases:
         assert main(base + args) == 2
         err = capsys.readouterr().err
-        assert "Traceback" not in err and err.startswith("eagle-serve: error:") and word in err, err
+        last = err.strip().splitlines()[-1]
+        assert "Traceback" not in err and last.startswith("eagle-serve: error:") and word in last, err
     assert main(["train-draft", "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "c"), "--data", str(data),
                  "--no-progress"]) == 2
     assert not (tmp_path / "c").exists()

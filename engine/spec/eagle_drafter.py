@@ -29,7 +29,7 @@ from engine.kv_cache import KVCache
 from engine.models.llama import LlamaForCausalLM
 from engine.spec.config import SpecConfig
 from engine.spec.drafters import Drafter
-from engine.spec.eagle_head import EagleHead
+from engine.spec.eagle_head import EagleHead, shares_target_rotary
 from engine.spec.tree import Candidates, DraftTree, build_tree, root_only, select_best
 from engine.step_io import SeqStep
 
@@ -72,7 +72,7 @@ class EagleDrafter(Drafter):
         self.features = torch.empty(num_blocks * block_size, feature_width(cfg.hidden_size, head.aux_layers),
                                     dtype=dtype, device=device)
         self.backend = make_backend(cfg.head_dim ** -0.5, device, dtype, attention)
-        self.rotary = target.model.rotary if cfg.rope_theta == target.config.rope_theta else _rotary(cfg)
+        self.rotary = target.model.rotary if shares_target_rotary(cfg, target.config) else _rotary(cfg)
         # per KV slot: 1 once the head's KV there was written from the slot's current feature and
         # the pair that follows it (a consumed pair), 0 from the feature's write until then. A
         # sequence that hits the prefix cache reads it to know how much of the shared prefix's

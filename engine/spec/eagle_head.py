@@ -111,6 +111,14 @@ def aux_norm(aux: torch.Tensor, n: int, eps: float) -> torch.Tensor:
     return a.reshape(aux.shape)
 
 
+def shares_target_rotary(cfg: ModelConfig, target: ModelConfig) -> bool:
+    """Whether a head's positions are rotated with the target's own rotary embedding (its
+    scaling and table included): a head with the target's rope_theta and head_dim, as published
+    heads are (their configs often leave the target's rope scaling out). Training and serving
+    both follow this rule."""
+    return cfg.rope_theta == target.rope_theta and cfg.head_dim == target.head_dim
+
+
 def head_aux_layers(path: str) -> list[int]:
     """The target layers a head directory fuses (config.json `aux_layers`; [] for a plain head,
     and for a missing or broken config, which `load_eagle_head` reports clearly)."""
@@ -137,8 +145,7 @@ def _read_weights(path: str) -> dict[str, torch.Tensor]:
     raise ModelLoadError(f"{path}: no model.safetensors or pytorch_model.bin for the draft head")
 
 
-def read_head_config(path: str) -> tuple[dict, ModelConfig]:
-    """A head directory's config.json, as read and as the one-layer model it describes."""
+def load_eagle_head(path: str, target: LlamaForCausalLM, dtype: torch.dtype) -> EagleHead:
     cfg_file = os.path.join(path, "config.json")
     if not os.path.exists(cfg_file):
         raise ModelLoadError(f"draft head {path!r}: missing config.json")
@@ -147,11 +154,7 @@ def read_head_config(path: str) -> tuple[dict, ModelConfig]:
         raise ModelLoadError(f"{cfg_file}: not a JSON object")
     raw = {**raw, "num_hidden_layers": 1}
     raw.setdefault("architectures", ["LlamaForCausalLM"])
-    return raw, ModelConfig.from_hf(raw, cfg_file)
-
-
-def load_eagle_head(path: str, target: LlamaForCausalLM, dtype: torch.dtype) -> EagleHead:
-    raw, cfg = read_head_config(path)
+    cfg = ModelConfig.from_hf(raw, cfg_file)
     t = target.config
     if (cfg.hidden_size, cfg.vocab_size) != (t.hidden_size, t.vocab_size):
         raise ModelLoadError(f"draft head {path!r} (hidden {cfg.hidden_size}, vocab {cfg.vocab_size}) does "

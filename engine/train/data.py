@@ -49,7 +49,8 @@ def load_conversations(source: str, max_conversations: int | None = None, log=No
         out.append(conv)
         if max_conversations is not None and len(out) >= max_conversations:
             break
-    why = "; ".join(f"{n} {r}" for r, n in sorted(reasons.items(), key=lambda kv: -kv[1]))
+    top = sorted(reasons.items(), key=lambda kv: -kv[1])
+    why = "; ".join(f"{n} {r}" for r, n in top[:5]) + (f"; {len(top) - 5} other reasons" if len(top) > 5 else "")
     if not out:
         raise DataError(f"{source}: no usable conversation (each needs a user turn followed by a "
                         f"non-empty assistant turn; {sum(reasons.values())} skipped{': ' + why if why else ''})")

@@ -22,6 +22,7 @@ import random
 import shutil
 import threading
 import time
+import dataclasses
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -43,14 +44,17 @@ class Interrupted(Exception):
 
 
 class Diverged(DataError):
-    """Training met a non-finite loss, gradient or weight: no head is written (one of NaNs was
-    saved with exit 0)."""
+    """Training met a non-finite loss, gradient or weight: no head or checkpoint is written from
+    then on (one of NaNs was saved with exit 0)."""
+
+    @classmethod
+    def at(cls, what: str, where: str) -> "Diverged":
+        return cls(f"{what} {where}: training diverged (try a lower --lr); no head written")
 
 
 def _check_finite(head, where: str) -> None:
     if not all(bool(torch.isfinite(p).all()) for p in head.parameters()):
-        raise Diverged(f"the head's weights are not finite {where}: training diverged (try a lower --lr); "
-                       f"no head written")
+        raise Diverged.at("the head's weights are not finite", where)
 
 
 @dataclass
@@ -113,8 +117,7 @@ class TrainConfig:
         """What the cached features depend on: resuming with other data settings starts over."""
         # the files as they are, not their names: a file replaced at the same path starts over
         keys = (_source_key(self.model or "default"), _source_key(self.data), self.max_conversations, self.max_len,
-                self.regenerate,
-                self.regen_max_tokens, self.regen_max_prompt, self.regen_max_turns, self.dtype)
+                self.regenerate, self.regen_max_tokens, self.regen_max_prompt, self.regen_max_turns, self.dtype)
         return hashlib.sha256(repr(keys).encode()).hexdigest()[:16]
 
     def feature_key(self) -> str:
@@ -126,8 +129,8 @@ class TrainConfig:
 
     def train_key(self) -> str:
         """What a resumable training state depends on beyond the data."""
-        keys = (self.data_key(), self.init and _source_key(self.init), self.ttt_steps, self.ttt_decay, self.p_weight, self.lr,
-                self.batch_tokens, self.draft_vocab, self.epochs, self.noise, self.weight_decay,
+        keys = (self.data_key(), self.init and _source_key(self.init, content=True), self.ttt_steps, self.ttt_decay,
+                self.p_weight, self.lr, self.batch_tokens, self.draft_vocab, self.epochs, self.noise, self.weight_decay,
                 self.warmup_steps, self.seed, self.heldout_fraction, self.bias) + \
             ((tuple(self.aux_layers),) if self.aux_layers else ())
         return hashlib.sha256(repr(keys).encode()).hexdigest()[:16]
@@ -159,7 +162,6 @@ def train_draft(cfg: TrainConfig, log=print) -> dict:
     dtype = resolve_dtype(cfg.dtype, device)
     t_start = time.time()
     loaded = load_model(cfg.model, dtype, device)
-    os.makedirs(cfg.out, exist_ok=True)  # (after the model: a bad --model left an empty OUT behind)
     if device.type == "cpu":
         loaded.model.prepack()
     if loaded.tokenizer is None or not loaded.tokenizer.chat_template:
@@ -178,14 +180,21 @@ def train_draft(cfg: TrainConfig, log=print) -> dict:
     if cfg.init:
         from engine.spec.eagle_head import head_aux_layers
         init_aux = head_aux_layers(cfg.init)
-        read_head(cfg.init, loaded)  # a wrong --init fails now, not after data and features
+        shape = read_head(cfg.init, loaded)[2]  # a wrong --init fails now, not after data and features
+        if shape.max_position_embeddings < cfg.max_len:  # its own rotary table ends there
+            raise DataError(f"--init {cfg.init} rotates positions up to its max_position_embeddings "
+                            f"({shape.max_position_embeddings}), below --max-len {cfg.max_len}")
         if init_aux and tuple(init_aux) != tuple(cfg.aux_layers):
             raise DataError(f"--init {cfg.init} fuses target layers {list(init_aux)}; pass --aux-layers "
                             f"{','.join(map(str, init_aux))} (got {list(cfg.aux_layers) or 'none'})")
+    # what a resumable state depends on, as the files are when they are read (a file replaced
+    # during the run must not pass for the one trained on)
+    train_key = cfg.train_key()
     convs = load_conversations(cfg.data, cfg.max_conversations, log)
     if not cfg.regenerate:  # (regeneration replaces the assistant turns, ids and all)
         check_token_ids(convs, loaded.config.vocab_size, cfg.data)
     log(f"data: {len(convs)} conversations from {cfg.data}")
+    os.makedirs(cfg.out, exist_ok=True)  # (once the inputs are checked: a failed start left an empty OUT)
     if cfg.regenerate:
         convs = regenerate(cfg, convs, log)
     examples = [e for e in (render(loaded.tokenizer, c, cfg.max_len) for c in convs) if e is not None]
@@ -204,7 +213,7 @@ def train_draft(cfg: TrainConfig, log=print) -> dict:
     stats = {"conversations": len(examples), "tokens": int(offsets[-1]), "loss_tokens": int(masks.sum()),
              "train_conversations": len(train_idx), "heldout_conversations": len(held_idx)}
     log(f"features: {stats}")
-    result = fit(cfg, loaded, ids, masks, feats, offsets, train_idx, held_idx, log)
+    result = fit(cfg, loaded, ids, masks, feats, offsets, train_idx, held_idx, log, train_key)
     result.update(stats, wall_s=round(time.time() - t_start, 1))
     return result
 
@@ -229,22 +238,31 @@ def split_heldout(examples: list[Example], fraction: float, seed: int) -> tuple[
 
 # ---------------------------------------------------------------------------- regeneration
 
-def _source_key(name: str):
-    """A data or model source as its file: real path, size and modification time; a directory
-    (a model, a head) as its path and those of the files in it (a checkpoint rewritten in place
-    leaves the directory's own time as it was); a name such as `sharegpt` or `default` as it is."""
+_READ_SUFFIXES = (".json", ".safetensors", ".gguf", ".model", ".bin")  # what a loader reads from a directory
+
+
+def _source_key(name: str, content: bool = False):
+    """A data or model source as its files: real path, and each file's size and modification
+    time (content: a hash of the files' bytes, for a small head that may be copied afresh);
+    a directory as the files a loader reads from it (config, weights, tokenizer; not a README
+    or a head's card.json); a name such as `sharegpt` or `default` as it is."""
     if not os.path.exists(name):
         return name
     if os.path.isdir(name):
-        files = []
-        for f in sorted(os.listdir(name)):
-            p = os.path.join(name, f)
-            if os.path.isfile(p):
-                st = os.stat(p)
-                files.append((f, st.st_size, st.st_mtime_ns))
-        return (os.path.realpath(name), tuple(files))
-    st = os.stat(name)
-    return (os.path.realpath(name), st.st_size, int(st.st_mtime))
+        paths = [os.path.join(name, f) for f in sorted(os.listdir(name))
+                 if f.endswith(_READ_SUFFIXES) and f != "card.json" and os.path.isfile(os.path.join(name, f))]
+    else:
+        paths = [name]
+    if content:
+        h = hashlib.sha256()
+        for p in paths:
+            h.update(os.path.basename(p).encode() + b"\0")
+            with open(p, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 24), b""):
+                    h.update(chunk)
+        return (os.path.realpath(name), h.hexdigest()[:20])
+    return (os.path.realpath(name), tuple((os.path.basename(p), os.stat(p).st_size, os.stat(p).st_mtime_ns)
+                                          for p in paths))
 
 
 def regenerate(cfg: TrainConfig, convs: list[list[dict]], log, llm=None) -> list[list[dict]]:
@@ -550,9 +568,13 @@ class Losses:
         return total, first + (step_agree,)
 
 
-def fit(cfg: TrainConfig, loaded, ids, masks, feats, offsets, train_idx, held_idx, log) -> dict:
+def fit(cfg: TrainConfig, loaded, ids, masks, feats, offsets, train_idx, held_idx, log,
+        train_key: str | None = None) -> dict:
+    """Train (or resume) the head on the cached features; train_key: cfg.train_key() as the
+    inputs were when read (default: now)."""
     from engine.train.head import TrainHead, head_config, save_head
     mcfg = loaded.config
+    train_key = train_key or cfg.train_key()
     torch.manual_seed(cfg.seed)
     embed = loaded.model.model.embed_tokens.weight.detach().float()
     lm = loaded.model.lm_head.weight.detach().float()
@@ -560,23 +582,21 @@ def fit(cfg: TrainConfig, loaded, ids, masks, feats, offsets, train_idx, held_id
     train_tok = torch.cat([torch.arange(int(offsets[i]), int(offsets[i + 1])) for i in train_idx])
     d2t = None
     # a head started from --init keeps that head's shapes (heads, kv heads, MLP width, rope), as
-    # the serving loader builds it from its own config.json: the target's were used, and a head
+    # the serving loader builds it from its own config.json (read_head): the target's were used, and a head
     # of another shape trained as the target's and saved with the wrong config (or crashed late)
     init, bias, shape = read_head(cfg.init, loaded) if cfg.init else (None, cfg.bias, mcfg)
     init_d2t = init.pop("d2t").long() if init is not None and "d2t" in init else None
     if cfg.draft_vocab is not None:
         # (the head's weights do not depend on the vocabulary: --init's head can take a new one)
         d2t = build_draft_vocab(ids[train_tok], masks[train_tok], cfg.draft_vocab, vocab, sorted(loaded.eos_token_ids))
-        coverage = float(torch.isin(ids[train_tok][masks[train_tok]], d2t).float().mean())
-        log(f"draft vocabulary: {cfg.draft_vocab} of {vocab} tokens, covering {coverage:.4f} of assistant tokens"
-            + (f" (re-picked on this data; --init's head had {len(init_d2t) if init_d2t is not None else 'all'})"
-               if init is not None else ""))
+        what = f"{cfg.draft_vocab} of {vocab} tokens" + (
+            f" (re-picked on this data; --init's head had {len(init_d2t) if init_d2t is not None else 'all'})"
+            if init is not None else "")
     elif init_d2t is not None:
-        d2t = init_d2t
-        coverage = float(torch.isin(ids[train_tok][masks[train_tok]], d2t).float().mean())
-        log(f"draft vocabulary from {cfg.init}: {len(d2t)} tokens, covering {coverage:.4f} of assistant tokens")
-    else:
-        coverage = 1.0
+        d2t, what = init_d2t, f"{len(init_d2t)} tokens from {cfg.init}"
+    coverage = 1.0 if d2t is None else float(torch.isin(ids[train_tok][masks[train_tok]], d2t).float().mean())
+    if d2t is not None:
+        log(f"draft vocabulary: {what}, covering {coverage:.4f} of assistant tokens")
     losses = Losses(embed, lm, d2t, cfg.p_weight)
     base = feats[0] if isinstance(feats, tuple) else feats
     rms = float(base[train_tok[:200000]].float().pow(2).mean().sqrt())
@@ -588,10 +608,9 @@ def fit(cfg: TrainConfig, loaded, ids, masks, feats, offsets, train_idx, held_id
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     steps_per_epoch = len(_batches(train_idx, offsets, cfg.batch_tokens, random.Random(0)))
     total_steps = steps_per_epoch * cfg.epochs
-    warmup = cfg.warmup_steps
-    if warmup > total_steps // 2:  # a short run never reached --lr (50 warmup steps of 20)
-        warmup = total_steps // 10
-        log(f"warmup: {cfg.warmup_steps} steps is over half of this run's {total_steps}; using {warmup}")
+    warmup = min(cfg.warmup_steps, total_steps // 4)  # a short run never reached --lr (50 warmup steps of 20)
+    if warmup < cfg.warmup_steps:
+        log(f"warmup: {warmup} steps, a quarter of this run's {total_steps} (--warmup-steps {cfg.warmup_steps})")
 
     def lr_at(step):
         if step < warmup:
@@ -606,7 +625,7 @@ def fit(cfg: TrainConfig, loaded, ids, masks, feats, offsets, train_idx, held_id
     state = {"epoch": 0, "batch": 0, "step": 0, "tokens": 0, "elapsed": 0.0, "history": []}
     if os.path.exists(ckpt):
         saved = torch.load(ckpt, map_location="cpu", weights_only=False)
-        if saved.get("train_key") == cfg.train_key() and saved.get("total_steps") == total_steps:
+        if saved.get("train_key") == train_key and saved.get("total_steps") == total_steps:
             head.load_state_dict(saved["head"])
             opt.load_state_dict(saved["opt"])
             state = saved["state"]
@@ -620,9 +639,10 @@ def fit(cfg: TrainConfig, loaded, ids, masks, feats, offsets, train_idx, held_id
     hcfg = head_config(shape, bias, len(d2t) if d2t is not None else None, tuple(cfg.aux_layers))
 
     def save_state():
+        _check_finite(head, f"at step {state['step']}")  # (a checkpoint of NaNs would resume into them)
         tmp = ckpt + ".part"
         torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "state": state,
-                    "train_key": cfg.train_key(), "total_steps": total_steps}, tmp)
+                    "train_key": train_key, "total_steps": total_steps}, tmp)
         os.replace(tmp, ckpt)
 
     def evaluate():
@@ -650,15 +670,14 @@ def fit(cfg: TrainConfig, loaded, ids, masks, feats, offsets, train_idx, held_id
             if r is None:
                 continue
             loss, (v, p, a, n, _, _) = r
+            where = f"at epoch {epoch + 1}, step {state['step'] + 1}"
             if not math.isfinite(loss.item()):
-                raise Diverged(f"the loss is {loss.item()} at epoch {epoch + 1}, step {state['step'] + 1}: training "
-                               f"diverged (try a lower --lr); no head written")
+                raise Diverged.at(f"the loss is {loss.item()}", where)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             norm = torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
             if not math.isfinite(norm.item()):
-                raise Diverged(f"the gradient is not finite at epoch {epoch + 1}, step {state['step'] + 1}: training "
-                               f"diverged (try a lower --lr); no head written")
+                raise Diverged.at("the gradient is not finite", where)
             opt.step()
             state["step"] += 1
             state["elapsed"] = time.time() - t_resume
@@ -738,17 +757,20 @@ def evaluate_head(head, losses: "Losses", idx: list[int], ids, masks, feats, off
 
 def read_head(path: str, loaded):
     """(weights, bias, shape) of a head directory: its weights (float32, published EAGLE names,
-    `d2t` kept), whether it has biases, and the layer's ModelConfig from its config.json. The
+    `d2t` kept), whether it has biases, and the layer's ModelConfig from its config.json (with
+    the target's rope scaling and table where serving uses the target's rotary for it). The
     serving loader checks it first (config, shapes, d2t), so --init takes exactly the heads
     --draft takes."""
     from engine.loader import ModelLoadError
-    from engine.spec.eagle_head import _read_weights, load_eagle_head, read_head_config
+    from engine.spec.eagle_head import _read_weights, load_eagle_head, shares_target_rotary
     try:
-        load_eagle_head(path, loaded.model, torch.float32)
-        shape = read_head_config(path)[1]
+        shape = load_eagle_head(path, loaded.model, torch.float32).config
         raw = _read_weights(path)
     except (ModelLoadError, OSError, ValueError) as e:
         raise DataError(f"--init {path}: {e}") from e
+    if shares_target_rotary(shape, loaded.config):  # rotated as serving rotates it: the target's rotary
+        shape = dataclasses.replace(shape, rope_scaling=loaded.config.rope_scaling,
+                                    max_position_embeddings=loaded.config.max_position_embeddings)
     w = {k.removeprefix("model."): v for k, v in raw.items() if not k.endswith("embed_tokens.weight")}
     return {k: (v if k == "d2t" else v.float()) for k, v in w.items()}, "fc.bias" in w, shape
 
