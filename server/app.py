@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from sse_starlette.sse import EventSourceResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from engine.tokenizer import TemplateError
 from scheduler.async_engine import AsyncEngine, EngineDead
@@ -118,10 +119,6 @@ def create_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="eagle-serve", version=VERSION, lifespan=lifespan)
     app.state.server = state
-    if state.allowed_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=state.allowed_origins, allow_methods=["GET", "POST"],
-                           allow_headers=["authorization", "content-type"])
-
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError):
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
@@ -143,6 +140,12 @@ def create_app(state: ServerState) -> FastAPI:
     # request whose client went away ran to its end, and so did chat streams of n >= 2 choices
     # whose client left before reading
     app.add_middleware(_LimitsAndAuth, state=state)
+    if state.allowed_origins:
+        # added last, so outermost: a preflight (which browsers send without credentials) is
+        # answered before the API-key check, and the 401 / 413 carry the CORS headers a browser
+        # needs to read them; any request header (the OpenAI SDKs send X-Stainless-*)
+        app.add_middleware(CORSMiddleware, allow_origins=state.allowed_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["*"])
 
     @app.get("/health")
     async def health():
@@ -171,8 +174,8 @@ def create_app(state: ServerState) -> FastAPI:
         messages, max_tokens, top = chat_inputs(req)
         if state.tokenizer is None:
             raise ApiError(400, "this server has no tokenizer; use /v1/completions with token ids")
-        try:
-            prompt = state.tokenizer.encode_chat(messages)
+        try:  # off the event loop: a long prompt's tokenization stalled every stream and /health
+            prompt = await asyncio.to_thread(state.tokenizer.encode_chat, messages)
         except TemplateError as e:
             raise ApiError(400, str(e), "messages") from None
         ctx = state.llm.max_model_len
@@ -195,7 +198,7 @@ def create_app(state: ServerState) -> FastAPI:
         n = check_common(req)
         if state.tokenizer is None and (isinstance(req.prompt, str) or isinstance(req.prompt[0], str)):
             raise ApiError(400, "this server has no tokenizer; send token ids", "prompt")
-        prompts = completion_prompts(req, state.tokenizer)
+        prompts = await asyncio.to_thread(completion_prompts, req, state.tokenizer)  # (off the event loop)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         params = [sampling_params(req, max_tokens, req.logprobs, i) for i in range(n)]
         handle = _submit(state, [p for p in prompts for _ in range(n)], params * len(prompts), req.user)
@@ -281,16 +284,26 @@ def _openapi(app: FastAPI, state: ServerState) -> dict:
 # ---------------------------------------------------------------------------- requests
 
 async def _parse(request: Request, model, state: ServerState):
+    # JSON only, as vLLM: text/plain and form bodies are the types a browser sends cross-origin
+    # without a preflight, so any web page could start generations on a keyless local server
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        raise ApiError(415, f"the body must be JSON sent as content-type application/json (got {media or 'none'})",
+                       code="unsupported_media_type")
     chunks, size = [], 0
-    async for chunk in request.stream():  # bounded even without a Content-Length (chunked uploads)
-        size += len(chunk)
-        if size > state.max_body_bytes:
-            raise ApiError(413, f"request body over {state.max_body_bytes} bytes", code="request_too_large")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():  # bounded even without a Content-Length (chunked uploads)
+            size += len(chunk)
+            if size > state.max_body_bytes:
+                raise ApiError(413, f"request body over {state.max_body_bytes} bytes", code="request_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone mid-upload: quiet, as any disconnect (was a 500 and two tracebacks)
+        raise ApiError(499, "the client closed the connection during the upload",
+                       code="client_closed_request") from None
     body = b"".join(chunks)
     try:
         data = json.loads(body, parse_constant=_no_constant)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except ValueError as e:  # invalid JSON, not UTF-8, or an integer past Python's digit limit (was a 500)
         raise ApiError(400, f"the body is not valid JSON: {e}") from None
     except RecursionError:
         raise ApiError(400, "the body is nested too deeply") from None
@@ -582,8 +595,13 @@ def _abort_unfinished(state: ServerState, handle: Handle) -> None:
             state.engine.abort(seq_id)
 
 
+# characters SSE keeps inside a line that Python's str.splitlines (httpx's iter_lines) breaks on:
+# escaped, so a client reading lines gets whole JSON (they can only occur inside JSON strings)
+_LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})  # (json escapes < 0x20)
+
+
 def _event(obj) -> dict:
-    return {"data": json.dumps(obj, ensure_ascii=False)}
+    return {"data": json.dumps(obj, ensure_ascii=False).translate(_LINE_BREAKS)}
 
 
 async def _sse(state: ServerState, handle: Handle, include_usage: bool, base: dict, opening: list[dict],

@@ -20,7 +20,8 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type_ or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                              413: "invalid_request_error", 503: "service_unavailable"}.get(status, "server_error")
+                              413: "invalid_request_error", 415: "invalid_request_error",
+                              503: "service_unavailable"}.get(status, "server_error")
         self.headers = headers
 
     def body(self) -> dict:
@@ -65,7 +66,9 @@ TokenId = _int(ge=0)
 TokenCount = _int(ge=1)
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 StopString = Annotated[str, StringConstraints(min_length=1)]
-TokenIdKey = Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]*)$")]  # canonical: "01" and "1" would be one key
+# canonical: "01" and "1" would be one key; at most 10 digits (a longer key is past any vocabulary,
+# and int() of one past 4300 digits raised a 500)
+TokenIdKey = Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]{0,9})$")]
 
 
 class ChatMessage(_Strict):

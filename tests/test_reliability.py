@@ -398,6 +398,78 @@ def test_cors_is_off_unless_configured(tiny_llama):
         assert "access-control-allow-origin" not in r.headers
     finally:
         srv.bg.stop()
+    # with an API key too: the preflight (no credentials: browsers never send them on one) got
+    # 401 and the 401 had no CORS headers; the OpenAI SDKs' X-Stainless-* headers were refused
+    srv = Live(llm, allowed_origins=["https://app.example"], api_key="k")
+    app = {"origin": "https://app.example"}
+    try:
+        r = httpx.options(srv.url + CHAT, headers={**app, "access-control-request-method": "POST",
+                                                   "access-control-request-headers": "authorization,content-type,"
+                                                                                     "x-stainless-os,x-stainless-lang"})
+        assert r.status_code == 200 and r.headers.get("access-control-allow-origin") == "https://app.example"
+        r = httpx.post(srv.url + CHAT, headers=app, json={"model": "tiny", "messages": []})
+        assert r.status_code == 401 and r.headers.get("access-control-allow-origin") == "https://app.example"
+    finally:
+        srv.bg.stop()
+
+
+def test_bodies_that_are_not_json_or_break_the_parser_are_4xx(live, caplog):
+    # any content type was read as JSON: text/plain and form bodies are sent cross-origin without
+    # a preflight, so any web page could start generations; integers past Python's 4300-digit
+    # limit (a field's value, a logit_bias key) and a client leaving mid-upload were 500s
+    import socket
+    body = '{"model": "tiny", "prompt": "hi", "max_tokens": 2}'
+    for ctype in ("text/plain", "application/x-www-form-urlencoded", None):
+        r = httpx.post(live.url + COMP, content=body, headers={"content-type": ctype} if ctype else {})
+        assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type", r.text
+    r = httpx.post(live.url + COMP, content=body, headers={"content-type": "application/json; charset=utf-8"})
+    assert r.status_code == 200
+    caplog.set_level("ERROR")
+    for raw in ('{"model": "tiny", "prompt": "hi", "seed": 1' + "0" * 5000 + "}",
+                '{"model": "tiny", "prompt": "hi", "logit_bias": {"1' + "0" * 5000 + '": 1}}',
+                '{"model": "tiny", "prompt": "hi", "logit_bias": {"12345678901": 1}}'):
+        r = httpx.post(live.url + COMP, content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+    host, port = live.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: 1000\r\n\r\n{\"model\": ")
+    time.sleep(0.5)
+    assert httpx.get(live.url + "/health").status_code == 200
+    assert not [rec for rec in caplog.records if rec.levelname == "ERROR"], [r.getMessage() for r in caplog.records]
+    assert live.idle_and_clean()
+
+
+def test_stream_events_are_one_line_for_a_line_reading_client():
+    # U+2028 / U+2029 / U+0085 went out raw: SSE keeps them in the line, but a client splitting
+    # lines as Python does (httpx's iter_lines) cut the event's JSON in two
+    from server.app import _event
+    text = "a\u2028b\u2029c\x85d\x1ce\x0bf\x0cg"
+    data = _event({"choices": [{"text": text}]})["data"]
+    assert data.splitlines() == [data] and json.loads(data)["choices"][0]["text"] == text
+
+
+def test_tokenizing_a_long_prompt_leaves_the_event_loop_free(live, monkeypatch):
+    # tokenization ran on the event loop: a long prompt stalled every stream and /health
+    tok = live.state.tokenizer
+    slow = tok.encode
+
+    def encode(text, *a, **k):
+        if "slow" in text:
+            time.sleep(2.0)
+        return slow(text, *a, **k)
+
+    monkeypatch.setattr(tok, "encode", encode)
+    done = {}
+    t = threading.Thread(target=lambda: done.update(r=httpx.post(
+        live.url + COMP, json={"model": "tiny", "prompt": "slow", "max_tokens": 1}, timeout=30)))
+    t.start()
+    time.sleep(0.4)
+    t0 = time.monotonic()
+    assert httpx.get(live.url + "/health", timeout=30).status_code == 200
+    assert time.monotonic() - t0 < 1.0 and "r" not in done  # answered while the prompt was still tokenizing
+    t.join()
+    assert done["r"].status_code == 200
 
 
 # ---------------------------------------------------------------------------- shutdown and soak
