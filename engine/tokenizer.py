@@ -208,6 +208,11 @@ class IncrementalDetokenizer:
         # end in a real U+FFFD, and emptying the seed would cost SentencePiece its leading space).
         while seed and _incomplete_tail(b"".join(tokenizer.token_bytes(t) for t in seed)):
             seed.pop()
+        # nor may it start inside one: a byte-fallback decoder (Llama-2, Mistral) turns a whole
+        # run of byte tokens into U+FFFD when one byte in it is stray, and the run goes on into
+        # the output (CJK or emoji after CJK or emoji in the prompt came out as U+FFFD only)
+        while seed and 0x80 <= (tokenizer.token_bytes(seed[0]) or b"\0")[0] < 0xC0:
+            seed.pop(0)
         self.ids = seed
         self.prefix_offset = 0
         self.read_offset = len(self.ids)

@@ -95,3 +95,16 @@ def test_a_prompt_ending_in_a_real_replacement_character_keeps_its_context():
         d = IncrementalDetokenizer(tok, p)
         streamed = "".join(d.add([t]) for t in full[len(p):]) + d.flush()
         assert streamed == tok.decode(full)[len(tok.decode(p)):] == " the lazy dog", (prompt, streamed)
+
+
+@pytest.mark.parametrize("prompt,rest", [("你好 世界", "你好世界"), ("fire 🔥🔥", "🔥 ok"), ("a 🔥", "é 你 done")])
+def test_byte_fallback_output_after_multibyte_prompt_text_is_streamed_whole(prompt, rest):
+    # the seed window began inside the prompt's last character (its continuation-byte tokens):
+    # a byte-fallback decoder turned the whole byte run, the output's bytes included, into U+FFFD
+    tok = Tokenizer(sentencepiece_like("replace"))
+    p = tok.encode(prompt, add_special_tokens=False)
+    full = tok.encode(prompt + rest, add_special_tokens=False)
+    assert full[:len(p)] == p
+    d = IncrementalDetokenizer(tok, p)
+    streamed = "".join(d.add([t]) for t in full[len(p):]) + d.flush()
+    assert streamed == tok.decode(full)[len(tok.decode(p)):] and "\ufffd" not in streamed, streamed
