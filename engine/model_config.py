@@ -46,6 +46,16 @@ class ModelConfig:
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise UnsupportedModel(f"rope scaling type {rope_type!r} is not supported "
                                    f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+        # the fields each type reads (a missing one was a KeyError deep in the rotary table, a
+        # factor of 0 a table of NaNs and garbage output)
+        need = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                                                   "original_max_position_embeddings")}.get(rope_type, ())
+        for key in need:
+            v = self.rope_scaling.get(key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise UnsupportedModel(f"rope scaling {rope_type!r}: {key} must be a positive number, got {v!r}")
+        if rope_type == "llama3" and self.rope_scaling["low_freq_factor"] >= self.rope_scaling["high_freq_factor"]:
+            raise UnsupportedModel("rope scaling 'llama3': low_freq_factor must be below high_freq_factor")
 
     @property
     def q_size(self) -> int:
@@ -71,8 +81,9 @@ class ModelConfig:
             raise UnsupportedModel(f"{source}: not a JSON object")
         try:
             out = cls._from_hf(cfg, source)
-        except UnsupportedModel:
-            raise
+        except UnsupportedModel as e:  # (the dataclass's own checks do not know the file)
+            msg = str(e)
+            raise UnsupportedModel(msg if msg.startswith(source) else f"{source}: {msg}") from None
         except KeyError as e:
             raise UnsupportedModel(f"{source}: missing field {e.args[0]!r}") from None
         except (TypeError, ValueError, AttributeError) as e:
@@ -89,6 +100,9 @@ class ModelConfig:
             raise UnsupportedModel(f"{source}: rms_norm_eps must be a number in (0, 1), got {out.rms_norm_eps!r}")
         if not math.isfinite(out.rope_theta) or out.rope_theta <= 0:
             raise UnsupportedModel(f"{source}: rope_theta must be a positive number, got {out.rope_theta!r}")
+        w = out.sliding_window
+        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
+            raise UnsupportedModel(f"{source}: sliding_window must be a positive integer or null, got {w!r}")
         return out
 
     @classmethod
@@ -107,10 +121,12 @@ class ModelConfig:
             raise UnsupportedModel(f"{source}: hidden_act {act!r} is not supported (only silu)")
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        # transformers' order: a config's rope_scaling over its rope_parameters (v5 writes the
+        # latter; a user's added rope_scaling was ignored here and applied there)
+        rope = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
         if "type" in rope and "rope_type" not in rope:
             rope["rope_type"] = rope.pop("type")
-        theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
+        theta = rope.pop("rope_theta") if "rope_theta" in rope else cfg.get("rope_theta", 10000.0)  # (0 is refused, not 10000)
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch != "Qwen2ForCausalLM") else None
         return cls(
             vocab_size=cfg["vocab_size"], hidden_size=hidden,

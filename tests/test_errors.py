@@ -42,6 +42,21 @@ def test_unsupported_architecture_is_named(tmp_path):
         _load(str(tmp_path))
 
 
+def test_rope_scaling_wins_over_rope_parameters_as_in_transformers(tmp_path):
+    # a v5 config (default rope_parameters) with a user's rope_scaling: transformers applies the
+    # scaling, and this engine ignored it
+    from transformers import AutoConfig
+    write_tiny_model(str(tmp_path))
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    cfg["rope_scaling"] = {"rope_type": "linear", "factor": 2.0}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    hf = AutoConfig.from_pretrained(str(tmp_path)).rope_parameters
+    ours = _load(str(tmp_path)).config
+    assert ours.rope_scaling == {"rope_type": "linear", "factor": 2.0} and hf["factor"] == 2.0
+    assert ours.rope_theta == hf["rope_theta"]
+
+
 def test_unsupported_rope_scaling_is_named(tmp_path):
     write_tiny_model(str(tmp_path), tokenizer=False)
     cfg = json.loads((tmp_path / "config.json").read_text())
@@ -56,7 +71,19 @@ def test_unsupported_rope_scaling_is_named(tmp_path):
     (lambda c: c.update(max_position_embeddings=-5), "max_position_embeddings must be a positive integer"),
     (lambda c: c.update(hidden_size="64"), "hidden_size must be a positive integer"),
     (lambda c: c.update(rms_norm_eps="x"), "rms_norm_eps"),
-    (lambda c: c.update(num_hidden_layers=0), "num_hidden_layers must be a positive integer")])
+    (lambda c: c.update(num_hidden_layers=0), "num_hidden_layers must be a positive integer"),
+    # rope scaling fields each type reads: a missing one was a KeyError in the rotary table, a
+    # string a TypeError, a factor of 0 a table of NaNs (garbage output, exit 0)
+    (lambda c: c.update(rope_scaling={"rope_type": "linear"}), "factor must be a positive number"),
+    (lambda c: c.update(rope_scaling={"rope_type": "linear", "factor": "2"}), "factor must be a positive number"),
+    (lambda c: c.update(rope_scaling={"rope_type": "linear", "factor": 0}), "factor must be a positive number"),
+    (lambda c: c.update(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "low_freq_factor must be"),
+    (lambda c: c.update(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
+                                      "high_freq_factor": 1.0, "original_max_position_embeddings": 64}),
+     "low_freq_factor must be below"),
+    (lambda c: c.update(rope_parameters={"rope_type": "default", "rope_theta": 0}), "rope_theta must be a positive"),
+    (lambda c: c.update(sliding_window="4096"), "sliding_window must be a positive integer"),
+    (lambda c: c.update(num_key_value_heads=3), "not a multiple of")])
 def test_a_malformed_config_names_its_file_and_field(tmp_path, edit, message):
     # these were a KeyError / TypeError traceback, or a mismatch message quoting "64" as 64
     write_tiny_model(str(tmp_path), tokenizer=False)
