@@ -46,8 +46,25 @@ def gguf_config(reader, path: str) -> dict:
     p = "llama."
     heads = _field(reader, p + "attention.head_count")
     hidden = _field(reader, p + "embedding_length")
-    vocab = _field(reader, p + "vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    for key, v in (("attention.head_count", heads), ("embedding_length", hidden),
+                   ("block_count", _field(reader, p + "block_count")),
+                   ("feed_forward_length", _field(reader, p + "feed_forward_length"))):
+        if v is None:  # (was a TypeError or KeyError traceback further on)
+            raise UnsupportedModel(f"{path}: GGUF metadata lacks llama.{key}")
+    if _field(reader, p + "expert_count"):
+        raise UnsupportedModel(f"{path}: mixture-of-experts GGUF models are not supported")
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = _field(reader, p + "vocab_size") or (len(tokens.data) if tokens is not None else None)
+    if vocab is None:
+        raise UnsupportedModel(f"{path}: GGUF metadata gives no vocabulary size (llama.vocab_size or tokenizer.ggml.tokens)")
     names = {t.name for t in reader.tensors}
+    for t in reader.tensors:  # every tensor is one this loader reads (others were skipped, or a KeyError)
+        base, _, _ = t.name.rpartition(".")
+        parts = base.split(".")
+        known = (parts[0] == "blk" and len(parts) == 3 and parts[2] in LAYER_NAMES) or base in TOP_NAMES \
+            or t.name == "rope_freqs.weight"
+        if not known:
+            raise UnsupportedModel(f"{path}: GGUF tensor {t.name!r} is not one a llama model has")
     cfg = {
         "architectures": ["LlamaForCausalLM"], "vocab_size": vocab, "hidden_size": hidden,
         "intermediate_size": _field(reader, p + "feed_forward_length"),
@@ -58,7 +75,10 @@ def gguf_config(reader, path: str) -> dict:
         "rope_theta": _field(reader, p + "rope.freq_base", 10000.0),
         "max_position_embeddings": _field(reader, p + "context_length", 2048),
         "tie_word_embeddings": "output.weight" not in names,
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        # end of turn / message count as end of sequence, as llama.cpp stops on them
+        "eos_token_id": [i for i in dict.fromkeys(_field(reader, "tokenizer.ggml." + k) for k in
+                                                   ("eos_token_id", "eot_token_id", "eom_token_id")) if i is not None]
+        or None,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
     }
     rotary = _field(reader, p + "rope.dimension_count")
@@ -87,7 +107,7 @@ def unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def gguf_tensors(reader, cfg: dict) -> Iterator[tuple[str, torch.Tensor]]:
+def gguf_tensors(reader, cfg: dict, path: str = "GGUF") -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, float32 tensor) for every weight in the file."""
     from gguf.quants import dequantize
     for t in reader.tensors:
@@ -99,7 +119,11 @@ def gguf_tensors(reader, cfg: dict) -> Iterator[tuple[str, torch.Tensor]]:
             name = f"{TOP_NAMES[base]}.{suffix}"
         else:
             continue  # rope_freqs: read into the config's rope scaling (gguf_config)
-        w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))  # own, writable copy
+        try:
+            w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))  # own, writable copy
+        except NotImplementedError:  # a type the gguf package cannot unpack (was its traceback)
+            raise UnsupportedModel(f"{path}: GGUF tensor {t.name!r} has type {t.tensor_type.name}, which the gguf "
+                                   f"package cannot dequantize") from None
         if name.endswith("q_proj.weight"):
             w = unpermute(w, cfg["num_attention_heads"])
         elif name.endswith("k_proj.weight"):
@@ -127,4 +151,4 @@ def gguf_tokenizer_dir(path: str, cache_root: str) -> str:
 def load_gguf(path: str) -> tuple[ModelConfig, dict, Iterator[tuple[str, torch.Tensor]]]:
     reader = _reader(path)
     cfg = gguf_config(reader, path)
-    return ModelConfig.from_hf(cfg, path), cfg, gguf_tensors(reader, cfg)
+    return ModelConfig.from_hf(cfg, path), cfg, gguf_tensors(reader, cfg, path)

@@ -186,3 +186,44 @@ def test_a_gguf_with_rope_freqs_applies_them_as_llama3_scaling(tmp_path):
     ids = [random.Random(1).randrange(cfg.vocab_size) for _ in range(40)]
     (logits,) = runner.forward([SeqSpan(ids, 0, runner.table(len(ids), []))])
     assert (logits - hf_logits(hf, ids)).abs().max().item() < 1e-4
+
+
+def test_gguf_metadata_is_checked_and_end_of_turn_ids_stop(tmp_path):
+    # llama.cpp stops on a GGUF's end-of-turn / end-of-message ids: they were ignored here; a
+    # Mixtral GGUF (architecture llama), missing metadata and unknown tensors were tracebacks
+    import numpy as np
+    gguf = pytest.importorskip("gguf")
+    from engine.gguf_loader import gguf_config
+    from engine.model_config import UnsupportedModel
+
+    def write(name, heads=True, experts=0, extra_tensor=None):
+        path = str(tmp_path / name)
+        w = gguf.GGUFWriter(path, "llama")
+        w.add_block_count(1)
+        w.add_context_length(64)
+        w.add_embedding_length(8)
+        w.add_feed_forward_length(16)
+        if heads:
+            w.add_head_count(2)
+        if experts:
+            w.add_expert_count(experts)
+        w.add_vocab_size(10)
+        w.add_eos_token_id(2)
+        w.add_eot_token_id(0)
+        w.add_eom_token_id(1)
+        w.add_tensor("token_embd.weight", np.zeros((10, 8), dtype=np.float32))
+        if extra_tensor:
+            w.add_tensor(extra_tensor, np.zeros((4, 8), dtype=np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return path
+
+    p = write("ok.gguf")
+    assert gguf_config(gguf.GGUFReader(p), p)["eos_token_id"] == [2, 0, 1]
+    for path, message in ((write("moe.gguf", experts=4), "mixture-of-experts"),
+                          (write("noheads.gguf", heads=False), "lacks llama.attention.head_count"),
+                          (write("gate.gguf", extra_tensor="blk.0.ffn_gate_inp.weight"), "not one a llama model has")):
+        with pytest.raises(UnsupportedModel, match=message):
+            gguf_config(gguf.GGUFReader(path), path)
