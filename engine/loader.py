@@ -77,11 +77,32 @@ def _hf_source(path: str):
         raise ModelLoadError(f"{path}: missing config.json")
     raw = read_json(cfg_file)
     cfg = ModelConfig.from_hf(raw, cfg_file)
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    files = _weight_files(path)
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors weight files (pytorch_model.bin is not loaded; "
                              f"convert it to safetensors)")
     return cfg, raw, _safetensors(files), path
+
+
+def _weight_files(path: str) -> list[str]:
+    """The safetensors files of a checkpoint, as transformers picks them: model.safetensors,
+    else the shards its index (model.safetensors.index.json) names, else every *.safetensors (a
+    glob took a Mistral repo's consolidated.safetensors, an adapter or a stale shard too)."""
+    single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        raw = read_json(index)
+        wmap = raw.get("weight_map") if isinstance(raw, dict) else None
+        if not isinstance(wmap, dict) or not wmap or not all(isinstance(v, str) for v in wmap.values()):
+            raise ModelLoadError(f"{index}: no weight_map of tensor names to shard files")
+        files = [os.path.join(path, f) for f in sorted(set(wmap.values()))]
+        gone = [os.path.basename(f) for f in files if not os.path.isfile(f)]
+        if gone:
+            raise ModelLoadError(f"{index} names shard files that are not there: {', '.join(gone[:4])}")
+        return files
+    return sorted(glob.glob(os.path.join(path, "*.safetensors")))
 
 
 def read_json(file: str):
@@ -158,8 +179,10 @@ def _eos_ids(raw: dict, hf_dir: str | None, tokenizer: Tokenizer | None) -> froz
     add(raw.get("eos_token_id"))
     gen_file = os.path.join(hf_dir, "generation_config.json") if hf_dir else None
     if gen_file and os.path.exists(gen_file):
-        with open(gen_file) as f:
-            add(json.load(f).get("eos_token_id"))
+        gen = read_json(gen_file)  # (malformed: named; a list was an AttributeError traceback)
+        if not isinstance(gen, dict):
+            raise ModelLoadError(f"{gen_file}: not a JSON object")
+        add(gen.get("eos_token_id"))
     if tokenizer is not None and tokenizer.eos_token:
         add(tokenizer.token_to_id(tokenizer.eos_token))
     return frozenset(ids)

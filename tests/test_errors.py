@@ -5,6 +5,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from engine.loader import ModelLoadError, load_model
 from engine.model_config import UnsupportedModel
@@ -257,3 +258,31 @@ def test_text_parts_are_joined_by_newlines_as_vllm_joins_them():
     req = ChatRequest(model="m", messages=[{"role": "user", "content": [{"type": "text", "text": "First part."},
                                                                          {"type": "text", "text": "Second part."}]}])
     assert chat_inputs(req)[0][0]["content"] == "First part.\nSecond part."
+
+
+def test_sharded_checkpoints_load_the_files_transformers_loads(tmp_path):
+    # every *.safetensors was loaded: a Mistral repo's consolidated.safetensors beside the
+    # shards, or an adapter file, was "unexpected weight"; a shard the index names but that is
+    # missing was reported as missing fused weights
+    from safetensors.torch import load_file, save_file
+    base = tmp_path / "base"
+    write_tiny_model(str(base))
+    src = load_file(str(base / "model.safetensors"))
+    names = sorted(src)
+    (base / "model.safetensors").unlink()
+    wmap = {}
+    for k, part in enumerate((names[:len(names) // 2], names[len(names) // 2:]), 1):
+        shard = f"model-0000{k}-of-00002.safetensors"
+        save_file({n: src[n].contiguous() for n in part}, str(base / shard), metadata={"format": "pt"})
+        wmap.update({n: shard for n in part})
+    (base / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wmap}))
+    save_file({"layers.0.attention.wq.weight": src[names[0]]}, str(base / "consolidated.safetensors"))
+    save_file({"base_model.model.lm_head.lora_A.weight": torch.zeros(2, 64)}, str(base / "adapter_model.safetensors"))
+    _load(str(base))
+    (base / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match="names shard files that are not there: model-00002-of-00002"):
+        _load(str(base))
+    (base / "generation_config.json").write_text("[1]")  # (was an AttributeError traceback)
+    save_file(src, str(base / "model.safetensors"))  # a whole file beside the index: it is the one read
+    with pytest.raises(ModelLoadError, match="generation_config.json: not a JSON object"):
+        _load(str(base))
