@@ -10,7 +10,7 @@ import codecs
 import datetime
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jinja2
 import jinja2.ext
@@ -30,6 +30,8 @@ class Tokenizer:
     bos_token: str | None = None
     eos_token: str | None = None
     _byte_level: bool | None = None
+    # the other special tokens a template may name (pad_token, unk_token, ...), as HF passes them
+    special_tokens: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_dir(cls, path: str) -> Tokenizer:
@@ -37,6 +39,13 @@ class Tokenizer:
         if not os.path.exists(tj):
             raise FileNotFoundError(f"{path}: no tokenizer.json (a fast tokenizer file is required)")
         cfg = _read_json(os.path.join(path, "tokenizer_config.json"))
+        # special tokens named only in special_tokens_map.json (older checkpoints): as HF reads them
+        special_map = _read_json(os.path.join(path, "special_tokens_map.json"))
+        special = {}
+        for key in _SPECIAL_KEYS:
+            value = _token_str(cfg.get(key)) or _token_str(special_map.get(key))
+            if isinstance(value, str) and value:
+                special[key] = value
         template = cfg.get("chat_template")
         jinja_file = os.path.join(path, "chat_template.jinja")
         if os.path.exists(jinja_file):
@@ -44,8 +53,12 @@ class Tokenizer:
                 template = f.read()
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        tok = cls(HFTokenizer.from_file(tj), template, _token_str(cfg.get("bos_token")),
-                  _token_str(cfg.get("eos_token")))
+        try:
+            backend = HFTokenizer.from_file(tj)
+        except Exception as e:  # noqa: BLE001 - the tokenizers library raises plain Exceptions for a broken file
+            raise ValueError(f"{tj}: not a readable tokenizer file ({e})") from None
+        tok = cls(backend, template, special.get("bos_token"), special.get("eos_token"),
+                  special_tokens={k: v for k, v in special.items() if k not in ("bos_token", "eos_token")})
         tok.byte_level  # decided now, not on a request's first logprobs (it reads the whole tokenizer)
         return tok
 
@@ -104,7 +117,10 @@ class Tokenizer:
         except jinja2.TemplateError as e:
             raise TemplateError(f"chat template does not compile: {e}") from e
         try:
-            return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+            # as HF renders: tools and documents none (undefined, `tools is not none` held), the
+            # special tokens the tokenizer has
+            return template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
+                                   documents=None, **self.special_tokens,
                                    bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         except TemplateError:
             raise
@@ -169,11 +185,21 @@ class _GenerationTag(jinja2.ext.Extension):
         return jinja2.nodes.Scope(body).set_lineno(lineno)
 
 
+_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
 def _read_json(path: str) -> dict:
+    """A tokenizer side file's JSON object ({} when absent); malformed is an error naming it."""
     if not os.path.exists(path):
         return {}
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    return data
 
 
 def _token_str(token) -> str | None:

@@ -108,3 +108,40 @@ def test_byte_fallback_output_after_multibyte_prompt_text_is_streamed_whole(prom
     d = IncrementalDetokenizer(tok, p)
     streamed = "".join(d.add([t]) for t in full[len(p):]) + d.flush()
     assert streamed == tok.decode(full)[len(tok.decode(p)):] and "\ufffd" not in streamed, streamed
+
+
+def test_template_variables_and_special_token_files_match_hf(tmp_path):
+    # tools / documents were undefined (so `tools is not none` held), pad / unk tokens missing,
+    # special_tokens_map.json never read (bos / eos empty and eos not a stop id), a broken
+    # tokenizer.json a bare "Exception" traceback and a malformed tokenizer_config.json unnamed
+    from transformers import AutoTokenizer
+    build_tokenizer(320).save(str(tmp_path / "tokenizer.json"))
+    msgs = [{"role": "user", "content": "hi"}]
+
+    def both(config, special_map=None):
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+        side = tmp_path / "special_tokens_map.json"
+        side.unlink(missing_ok=True)
+        if special_map:
+            side.write_text(json.dumps(special_map))
+        ours = Tokenizer.from_dir(str(tmp_path)).apply_chat_template(msgs)
+        hf = AutoTokenizer.from_pretrained(str(tmp_path)).apply_chat_template(msgs, tokenize=False,
+                                                                             add_generation_prompt=True)
+        return ours, hf
+
+    ours, hf = both({"eos_token": "<|im_end|>", "chat_template": "{% if tools is not none %}[TOOLS]{% endif %}"
+                     "{% if documents is not none %}[DOCS]{% endif %}{{ messages[0].content }}"})
+    assert ours == hf == "hi"
+    ours, hf = both({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "unk_token": "<|endoftext|>",
+                     "chat_template": "{{ pad_token }}|{{ unk_token }}|{{ messages[0].content }}"})
+    assert ours == hf == "<|endoftext|>|<|endoftext|>|hi"
+    ours, hf = both({"chat_template": "{{ bos_token }}{{ messages[0].content }}{{ eos_token }}"},
+                    {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"})
+    assert ours == hf == "<|im_start|>hi<|im_end|>"
+    (tmp_path / "tokenizer_config.json").write_text("{oops")
+    with pytest.raises(ValueError, match="tokenizer_config.json: not valid JSON"):
+        Tokenizer.from_dir(str(tmp_path))
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    (tmp_path / "tokenizer.json").write_text('{"version": "1.0"}')
+    with pytest.raises(ValueError, match="tokenizer.json: not a readable tokenizer file"):
+        Tokenizer.from_dir(str(tmp_path))
