@@ -77,6 +77,11 @@ def _hf_source(path: str):
         raise ModelLoadError(f"{path}: missing config.json")
     raw = read_json(cfg_file)
     cfg = ModelConfig.from_hf(raw, cfg_file)
+    quant = raw.get("quantization_config")
+    if quant:  # its weights are not plain tensors of the config's shapes (fp8 / int ones were cast as if)
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+        raise ModelLoadError(f"{cfg_file}: quantized checkpoints (quant_method {method!r}) are not supported; "
+                             f"use an unquantized one or a GGUF file")
     files = _weight_files(path)
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors weight files (pytorch_model.bin is not loaded; "

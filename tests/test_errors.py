@@ -282,6 +282,11 @@ def test_sharded_checkpoints_load_the_files_transformers_loads(tmp_path):
     (base / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(ModelLoadError, match="names shard files that are not there: model-00002-of-00002"):
         _load(str(base))
+    cfg = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "fp8"}}))
+    with pytest.raises(ModelLoadError, match="quantized checkpoints .*'fp8'"):  # (int / fp8 weights were cast)
+        _load(str(base))
+    (base / "config.json").write_text(json.dumps(cfg))
     (base / "generation_config.json").write_text("[1]")  # (was an AttributeError traceback)
     save_file(src, str(base / "model.safetensors"))  # a whole file beside the index: it is the one read
     with pytest.raises(ModelLoadError, match="generation_config.json: not a JSON object"):
