@@ -39,11 +39,13 @@ class Tokenizer:
         if not os.path.exists(tj):
             raise FileNotFoundError(f"{path}: no tokenizer.json (a fast tokenizer file is required)")
         cfg = _read_json(os.path.join(path, "tokenizer_config.json"))
-        # special tokens named only in special_tokens_map.json (older checkpoints): as HF reads them
-        special_map = _read_json(os.path.join(path, "special_tokens_map.json"))
+        # special_tokens_map.json, as transformers reads it: only for a tokenizer_config.json
+        # without added_tokens_decoder (older checkpoints), and then over the config's values
+        if "added_tokens_decoder" not in cfg:
+            cfg = {**cfg, **_read_json(os.path.join(path, "special_tokens_map.json"))}
         special = {}
         for key in _SPECIAL_KEYS:
-            value = _token_str(cfg.get(key)) or _token_str(special_map.get(key))
+            value = _token_str(cfg.get(key))
             if isinstance(value, str) and value:
                 special[key] = value
         template = cfg.get("chat_template")
@@ -237,8 +239,10 @@ class IncrementalDetokenizer:
         # nor may it start inside one: a byte-fallback decoder (Llama-2, Mistral) turns a whole
         # run of byte tokens into U+FFFD when one byte in it is stray, and the run goes on into
         # the output (CJK or emoji after CJK or emoji in the prompt came out as U+FFFD only)
-        while seed and 0x80 <= (tokenizer.token_bytes(seed[0]) or b"\0")[0] < 0xC0:
-            seed.pop(0)
+        # (kept whole if every token is one: SentencePiece's leading space needs some context)
+        starts = [i for i, t in enumerate(seed) if not 0x80 <= (tokenizer.token_bytes(t) or b"\0")[0] < 0xC0]
+        if starts:
+            seed = seed[starts[0]:]
         self.ids = seed
         self.prefix_offset = 0
         self.read_offset = len(self.ids)

@@ -110,6 +110,17 @@ def test_byte_fallback_output_after_multibyte_prompt_text_is_streamed_whole(prom
     assert streamed == tok.decode(full)[len(tok.decode(p)):] and "\ufffd" not in streamed, streamed
 
 
+def test_a_seed_of_only_continuation_bytes_keeps_its_context():
+    # (the trim above emptied such a seed, and SentencePiece's decoder then dropped the output's
+    # leading space: a token-id prompt cut inside a run of multi-byte characters)
+    tok = Tokenizer(sentencepiece_like("replace"))
+    p = tok.encode("🔥🔥🔥", add_special_tokens=False)[:-2]
+    out = tok.encode(" the dog", add_special_tokens=False)
+    d = IncrementalDetokenizer(tok, p)
+    streamed = "".join(d.add([t]) for t in out) + d.flush()
+    assert streamed == tok.decode(p + out)[len(tok.decode(p)):], streamed
+
+
 def test_template_variables_and_special_token_files_match_hf(tmp_path):
     # tools / documents were undefined (so `tools is not none` held), pad / unk tokens missing,
     # special_tokens_map.json never read (bos / eos empty and eos not a stop id), a broken
@@ -138,6 +149,14 @@ def test_template_variables_and_special_token_files_match_hf(tmp_path):
     ours, hf = both({"chat_template": "{{ bos_token }}{{ messages[0].content }}{{ eos_token }}"},
                     {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"})
     assert ours == hf == "<|im_start|>hi<|im_end|>"
+    # the map wins over the config where both name a token, and a config with
+    # added_tokens_decoder (a modern one) is read alone, as transformers reads them
+    ours, hf = both({"eos_token": "<|im_end|>", "chat_template": "{{ messages[0].content }}{{ eos_token }}"},
+                    {"eos_token": "<|endoftext|>"})
+    assert ours == hf == "hi<|endoftext|>"
+    ours, hf = both({"added_tokens_decoder": {}, "chat_template": "[{{ bos_token }}]{{ messages[0].content }}"},
+                    {"bos_token": "<|im_start|>"})
+    assert ours == hf == "[]hi"
     (tmp_path / "tokenizer_config.json").write_text("{oops")
     with pytest.raises(ValueError, match="tokenizer_config.json: not valid JSON"):
         Tokenizer.from_dir(str(tmp_path))
