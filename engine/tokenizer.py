@@ -240,9 +240,8 @@ class IncrementalDetokenizer:
         # run of byte tokens into U+FFFD when one byte in it is stray, and the run goes on into
         # the output (CJK or emoji after CJK or emoji in the prompt came out as U+FFFD only)
         # (kept whole if every token is one: SentencePiece's leading space needs some context)
-        starts = [i for i, t in enumerate(seed) if not 0x80 <= (tokenizer.token_bytes(t) or b"\0")[0] < 0xC0]
-        if starts:
-            seed = seed[starts[0]:]
+        start = next((i for i, t in enumerate(seed) if not 0x80 <= (tokenizer.token_bytes(t) or b"\0")[0] < 0xC0), 0)
+        seed = seed[start:]
         self.ids = seed
         self.prefix_offset = 0
         self.read_offset = len(self.ids)

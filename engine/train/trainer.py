@@ -22,8 +22,7 @@ import random
 import shutil
 import threading
 import time
-import dataclasses
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -261,8 +260,8 @@ def _source_key(name: str, content: bool = False):
                 for chunk in iter(lambda: f.read(1 << 24), b""):
                     h.update(chunk)
         return (os.path.realpath(name), h.hexdigest()[:20])
-    return (os.path.realpath(name), tuple((os.path.basename(p), os.stat(p).st_size, os.stat(p).st_mtime_ns)
-                                          for p in paths))
+    stats = [(os.path.basename(p), os.stat(p)) for p in paths]
+    return (os.path.realpath(name), tuple((f, st.st_size, st.st_mtime_ns) for f, st in stats))
 
 
 def regenerate(cfg: TrainConfig, convs: list[list[dict]], log, llm=None) -> list[list[dict]]:
@@ -670,22 +669,22 @@ def fit(cfg: TrainConfig, loaded, ids, masks, feats, offsets, train_idx, held_id
             if r is None:
                 continue
             loss, (v, p, a, n, _, _) = r
-            where = f"at epoch {epoch + 1}, step {state['step'] + 1}"
-            if not math.isfinite(loss.item()):
-                raise Diverged.at(f"the loss is {loss.item()}", where)
+            loss_value = loss.item()
+            if not math.isfinite(loss_value):
+                raise Diverged.at(f"the loss is {loss_value}", f"at epoch {epoch + 1}, step {state['step'] + 1}")
             opt.zero_grad(set_to_none=True)
             loss.backward()
             norm = torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
             if not math.isfinite(norm.item()):
-                raise Diverged.at("the gradient is not finite", where)
+                raise Diverged.at("the gradient is not finite", f"at epoch {epoch + 1}, step {state['step'] + 1}")
             opt.step()
             state["step"] += 1
             state["elapsed"] = time.time() - t_resume
-            run["loss"] += loss.item() * n
+            run["loss"] += loss_value * n
             run["agree"] += a
             run["n"] += n
             bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{a / n:.3f}")
+            bar.set_postfix(loss=f"{loss_value:.3f}", top1=f"{a / n:.3f}")
             if state["step"] % cfg.save_every == 0:
                 save_state()
             if snap_every and state["step"] % snap_every == 0:
@@ -769,7 +768,7 @@ def read_head(path: str, loaded):
     except (ModelLoadError, OSError, ValueError) as e:
         raise DataError(f"--init {path}: {e}") from e
     if shares_target_rotary(shape, loaded.config):  # rotated as serving rotates it: the target's rotary
-        shape = dataclasses.replace(shape, rope_scaling=loaded.config.rope_scaling,
+        shape = replace(shape, rope_scaling=loaded.config.rope_scaling,
                                     max_position_embeddings=loaded.config.max_position_embeddings)
     w = {k.removeprefix("model."): v for k, v in raw.items() if not k.endswith("embed_tokens.weight")}
     return {k: (v if k == "d2t" else v.float()) for k, v in w.items()}, "fc.bias" in w, shape
