@@ -13,7 +13,7 @@ from engine.cuda_graphs import GraphRunner, scratch_blocks
 from engine.forward_batch import SeqSpan
 from engine.kv_cache import KVCache
 from engine.loader import LoadedModel, load_model
-from engine.sampler import SampleRow, sample
+from engine.sampler import Picks, PicksView, SampleRow
 from engine.spec.accept import walk
 from engine.spec.config import SpecConfig
 from engine.spec.drafters import Drafter, NgramDrafter, NoDrafter
@@ -173,10 +173,10 @@ class ModelRunner:
         # the first hidden columns only: a fused-feature head's [f ; aux] rows would be gathered
         # whole and then sliced again (the LM head reads f)
         features = hidden[:, :self.loaded.config.hidden_size]
-        chosen, logprobs = [], []
+        picks = None
         if rows:  # a round of prompt chunks that reach no prompt's end samples nothing
             logits = self.model.compute_logits(features[torch.tensor(rows, dtype=torch.long, device=self.device)])
-            chosen, logprobs = sample(logits, sample_rows, self.loaded.eos_token_ids)
+            picks = Picks(logits, sample_rows, self.loaded.eos_token_ids)  # sampled rows drawn as the walks read them
         t2 = time.perf_counter()
         # what the head observes this round: (step, tokens, reset) and each token's feature row,
         # written to the drafter in one call
@@ -190,8 +190,7 @@ class ModelRunner:
         fields, k = [], 0
         for i in sampled:
             n = len(trees[i])
-            fields.append(self._accept(steps[i], trees[i], chosen[k:k + n], logprobs[k:k + n], roots[i],
-                                       drafted[i], observed, feature_rows))
+            fields.append(self._accept(steps[i], trees[i], picks.view(k), roots[i], drafted[i], observed, feature_rows))
             k += n
         if observed:
             self.drafter.observe_many(observed, hidden[torch.tensor(feature_rows, dtype=torch.long, device=self.device)])
@@ -234,7 +233,7 @@ class ModelRunner:
         return SeqSpan(tree.tokens, step.num_cached, step.block_table,
                        positions=[step.num_cached + d for d in tree.depths], tree_mask=tree.ancestor_mask())
 
-    def _accept(self, step: SeqStep, tree: DraftTree, chosen: list[int], logprobs: list, root_row: int,
+    def _accept(self, step: SeqStep, tree: DraftTree, chosen: PicksView, root_row: int,
                 drafted_depth: int, observed: list, feature_rows: list[int]) -> tuple:
         """Walk the tree, compact the accepted nodes' KV; what the head is to observe goes on
         `observed` / `feature_rows` (execute hands them over for the whole round at once).
@@ -252,7 +251,7 @@ class ModelRunner:
             else:
                 feature_rows.extend(root_row + n for n in path)
                 observed.append((step, verdict.tokens, step.restart))
-        lps = [logprobs[n] for n in path] if step.params.logprobs is not None else None
+        lps = [chosen.logprobs(n) for n in path] if step.params.logprobs is not None else None
         conf, conf_depths = self.drafter.confidence(step.seq_id) if len(tree) > 1 else ((), ())
         return (step.seq_id, verdict.tokens, lps, len(tree) - 1, (1,) * len(verdict.accepted_nodes), conf,
                 conf_depths, drafted_depth)

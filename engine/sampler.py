@@ -82,23 +82,76 @@ def choose(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         p = row.params
         if p.greedy:
             continue
-        scaled = truncate(logits[i].double() / p.temperature, p.top_k, p.top_p)
-        noise = gumbel_noise(row.seed, row.output_position, scaled.shape[0]).to(scaled.device)
-        chosen[i] = (scaled + noise).argmax()
+        chosen[i] = draw(logits[i], p, gumbel_noise(row.seed, row.output_position, logits.shape[1]))
     return chosen
 
 
+def draw(logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor) -> torch.Tensor:
+    """Gumbel-max over one processed row [V] after temperature and truncation (a 0-d tensor)."""
+    scaled = truncate(logits.double() / params.temperature, params.top_k, params.top_p)
+    return (scaled + noise.to(scaled.device)).argmax()
+
+
+class Picks:
+    """The target's pick at each row, each made when first read. The processing (bias,
+    penalties, min_tokens) of every row and the greedy picks are done here, in the round's one
+    host sync; a sampled row's draw (truncation, whose top-p sorts the whole vocabulary, and
+    noise) only when it is read. Tree acceptance reads a node only when the walk reaches it, at
+    most depth + 1 of a tree's nodes, so a sampled request with a 60-node tree no longer pays 60
+    draws a round (each read of a sampled row is then one small host sync of its own). Nodes at
+    one depth share (seed, output position), so their noise is drawn once. Logprobs likewise,
+    for the rows read."""
+
+    def __init__(self, logits: torch.Tensor, rows: list[SampleRow], stop_ids: frozenset[int]):
+        self.raw, self.rows = logits, rows  # raw: the model's logits (logprobs are reported from them)
+        if any(r.params.logit_bias or r.params.needs_penalties or r.params.min_tokens for r in rows):
+            logits = process_logits(logits.clone(), rows, stop_ids)
+        self.logits = logits
+        self._tokens = logits.argmax(-1).tolist()  # the round's one host sync: final for greedy rows
+        self._drawn = [r.params.greedy for r in rows]
+        self._noise: dict[tuple[int, int], torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> int:
+        """The token picked at row i."""
+        if not self._drawn[i]:
+            row = self.rows[i]
+            key = (row.seed, row.output_position)
+            if key not in self._noise:
+                self._noise[key] = gumbel_noise(row.seed, row.output_position, self.logits.shape[1]).to(self.logits.device)
+            self._tokens[i] = int(draw(self.logits[i], row.params, self._noise[key]))
+            self._drawn[i] = True
+        return self._tokens[i]
+
+    def logprobs(self, i: int) -> TokenLogprobs | None:
+        """Row i's raw logprobs with its requested top alternatives (None if it asked for none)."""
+        top_n = self.rows[i].params.logprobs
+        return None if top_n is None else _logprobs(self.raw[i].log_softmax(-1), self[i], top_n)
+
+    def view(self, start: int) -> "PicksView":
+        return PicksView(self, start)
+
+
+class PicksView:
+    """One tree's rows of a round's Picks: view[n] is the pick at node n."""
+
+    def __init__(self, picks: Picks, start: int):
+        self.picks, self.start = picks, start
+
+    def __getitem__(self, node: int) -> int:
+        return self.picks[self.start + node]
+
+    def logprobs(self, node: int) -> TokenLogprobs | None:
+        return self.picks.logprobs(self.start + node)
+
+
 def sample(logits: torch.Tensor, rows: list[SampleRow], stop_ids: frozenset[int]) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """Pick one token per row; also the raw logprobs for rows that asked for them."""
-    want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-    raw = logits[want].log_softmax(-1) if want else None
-    if any(r.params.logit_bias or r.params.needs_penalties or r.params.min_tokens for r in rows):
-        logits = process_logits(logits.clone(), rows, stop_ids)
-    tokens = choose(logits, rows).tolist()  # the step's one host sync for the sampled ids
-    logprobs: list[TokenLogprobs | None] = [None] * len(rows)
-    for j, i in enumerate(want):
-        logprobs[i] = _logprobs(raw[j], tokens[i], rows[i].params.logprobs)
-    return tokens, logprobs
+    """Pick one token per row; also the raw logprobs for rows that asked for them (every row
+    drawn: Picks draws only the rows read)."""
+    picks = Picks(logits, rows, stop_ids)
+    return [picks[i] for i in range(len(rows))], [picks.logprobs(i) for i in range(len(rows))]
 
 
 def _logprobs(row: torch.Tensor, token: int, top_n: int) -> TokenLogprobs:

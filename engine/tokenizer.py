@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import codecs
 import datetime
+import functools
 import json
 import os
 from dataclasses import dataclass, field
@@ -99,6 +100,12 @@ class Tokenizer:
             except ValueError:
                 pass
         return piece.replace("\u2581", " ").encode("utf-8")
+
+    @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the special added tokens, which decode(skip_special_tokens=True) leaves out of
+        the text."""
+        return frozenset(i for i, t in self.backend.get_added_tokens_decoder().items() if t.special)
 
     @property
     def byte_level(self) -> bool:

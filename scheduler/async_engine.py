@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from engine.sampling_params import SamplingParams
 from scheduler.loop import EngineLoop
 from scheduler.output_processor import RequestOutput
+from scheduler.scheduler import KVCacheTooSmall
 from scheduler.sequence import FinishReason
 from scheduler.worker import engine_executor
 
@@ -165,8 +166,9 @@ class AsyncEngine:
                     continue
                 try:
                     seqs, steps = self.engine.plan()
-                except RuntimeError as e:  # the head of the queue can never fit in the KV cache
-                    self._fail_head(e)
+                except KVCacheTooSmall as e:  # that sequence can never fit in the KV cache
+                    # (only this: any other error in planning is the loop's, not that request's)
+                    self._abort_now(e.seq_id, FinishReason.ERROR, str(e))
                     continue
                 if not seqs:
                     await asyncio.sleep(0.001)
@@ -217,9 +219,6 @@ class AsyncEngine:
             self._finished(out)
             if q is not None:
                 q.put_nowait(out)
-
-    def _fail_head(self, error: Exception) -> None:
-        self._abort_now(self.engine.scheduler.waiting[0].seq_id, FinishReason.ERROR, str(error))
 
     def _finished(self, out: RequestOutput) -> None:
         if self.on_finish is not None:

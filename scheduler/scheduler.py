@@ -20,6 +20,14 @@ from scheduler.block_allocator import BlockAllocator
 from scheduler.sequence import FinishReason, Sequence, SequenceStatus
 
 
+class KVCacheTooSmall(RuntimeError):
+    """The sequence `seq_id` cannot fit in the KV cache even with nothing else running."""
+
+    def __init__(self, seq_id: int, message: str):
+        super().__init__(message)
+        self.seq_id = seq_id
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_model_len: int
@@ -83,7 +91,7 @@ class Scheduler:
             if not self.allocator.can_reserve(seq.table, slots):
                 if not scheduled and not self.running:
                     self.allocator.free(seq.table)
-                    raise RuntimeError(f"KV cache too small: sequence {seq.seq_id} needs {n} tokens, "
+                    raise KVCacheTooSmall(seq.seq_id, f"KV cache too small: sequence {seq.seq_id} needs {n} tokens, "
                                        f"{self.allocator.num_free_blocks} free blocks of {self.allocator.block_size}")
                 self.allocator.free(seq.table)  # drop the prefix hold; it is taken again when admitted
                 break

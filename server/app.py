@@ -685,7 +685,9 @@ def _completion_logprobs(state: ServerState, token_ids, logprobs, offsets: _Text
         top = {_token_key(state, i): v for i, v in lp.top}
         top.setdefault(_token_key(state, t), lp.logprob)
         tops.append(top)
-        text_offset.append(offsets.next(state.tokenizer.token_bytes(t) if state.tokenizer else s.encode()))
+        # a special token is left out of the text (skip_special_tokens), so it takes no characters there
+        text_offset.append(offsets.next(s.encode() if not state.tokenizer else b"" if t in state.tokenizer.special_ids
+                                        else state.tokenizer.token_bytes(t)))
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": text_offset}
 
 

@@ -89,7 +89,7 @@ class _Common(_Strict):
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     n: _int(ge=1, le=MAX_N) | None = 1
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
-    seed: Int | None = None
+    seed: _int(ge=-2**63, le=2**63 - 1) | None = None  # vLLM's bound (the noise is keyed by the seed mod 2^64)
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     logit_bias: dict[TokenIdKey, Annotated[float, Field(ge=-100, le=100)]] | None = None
@@ -189,7 +189,9 @@ def chat_inputs(req: ChatRequest) -> tuple[list[dict], int | None, int | None]:
 
 
 def completion_prompts(req: CompletionRequest, tokenizer) -> list[list[int]]:
-    if req.best_of not in (None, 1) and req.best_of != req.n:
+    if req.best_of is not None and req.best_of < (req.n or 1):  # as OpenAI and vLLM
+        raise ApiError(400, f"best_of must be >= n, got best_of {req.best_of} and n {req.n or 1}", "best_of")
+    if req.best_of is not None and req.best_of != (req.n or 1):
         raise ApiError(400, "best_of other than n is not supported", "best_of")
     if req.echo and req.logprobs is not None:
         raise ApiError(400, "echo with logprobs needs prompt logprobs, which are not supported", "echo")

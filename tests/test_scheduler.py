@@ -293,6 +293,57 @@ def test_engine_error_fails_only_that_request(tiny_llama):
 CONF = tuple(0.9 ** (i + 1) for i in range(31))  # a confident draft
 
 
+
+def test_a_sequence_that_can_never_fit_fails_alone_and_other_plan_errors_are_the_loops(tiny_llama):
+    """KVCacheTooSmall names its sequence: that request fails, the others run on. Any other
+    error while planning is a fault of the loop, reported as itself: it was read as 'the head
+    of the queue cannot fit', failing whichever request waited first (or, with none waiting,
+    killing the loop with an IndexError)."""
+    from scheduler.scheduler import KVCacheTooSmall
+    llm = LLM(tiny_llama[0], **KW, kv_cache_tokens=1024)
+    sched = llm.loop.scheduler
+    real = sched.schedule
+    free0 = llm.allocator.num_free_blocks
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    fault = {}
+
+    def schedule():
+        if fault.get("kind") == "too-small":
+            victim = next((s for s in sched.waiting if s.prompt_token_ids[0] == 8), None)
+            if victim is not None:
+                fault.clear()
+                sched.allocator.free(victim.table)
+                raise KVCacheTooSmall(victim.seq_id, f"KV cache too small: sequence {victim.seq_id}")
+        if fault.get("kind") == "bug" and sched.running and not sched.waiting:
+            fault.clear()
+            raise RuntimeError("a bug in planning")
+        return real()
+    sched.schedule = schedule
+
+    async def main(kind):
+        eng = AsyncEngine(llm.loop)
+        await eng.start()
+        fault["kind"] = kind
+
+        async def run(prompt):
+            last = None
+            async for out in eng.generate(prompt, params):
+                last = out
+            return last
+        outs = await asyncio.gather(run([5, 6, 7]), run([8, 9]), run([10, 11]), return_exceptions=True)
+        alive, error = eng.alive, eng.error
+        await eng.stop()
+        return outs, alive, error
+
+    outs, alive, _ = asyncio.run(main("too-small"))
+    assert alive and [o.finish_reason for o in outs] == ["length", "error", "length"]
+    assert "KV cache too small" in outs[1].error
+    assert llm.allocator.num_free_blocks == free0
+    outs, alive, error = asyncio.run(main("bug"))
+    assert not alive and isinstance(error, RuntimeError) and str(error) == "a bug in planning", repr(error)
+    assert all("a bug in planning" in str(o) for o in outs), outs
+    assert llm.allocator.num_free_blocks == free0
+
 def test_budget_flat_verify_cost_picks_large_trees_steep_picks_small_or_none():
     flat = CostModel([(1, 0.010), (64, 0.0105), (512, 0.012)], [(1, 0.001), (64, 0.002)])
     steep = CostModel([(1, 0.010), (2, 0.020), (64, 0.640)], [(1, 0.001), (64, 0.002)])

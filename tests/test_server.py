@@ -165,8 +165,9 @@ def test_logprobs_both_shapes(client):
 
 
 def test_text_offset_counts_a_character_split_over_tokens_once():
-    class Tok:  # 🔥 split over two tokens, then "a"
-        pieces = {1: b"\xf0\x9f", 2: b"\x94\xa5", 3: b"a"}
+    class Tok:  # 🔥 split over two tokens, then "a"; 4 a special token (not in the text)
+        pieces = {1: b"\xf0\x9f", 2: b"\x94\xa5", 3: b"a", 4: b"<|im_start|>"}
+        special_ids = frozenset({4})
 
         def token_bytes(self, t):
             return self.pieces[t]
@@ -177,6 +178,8 @@ def test_text_offset_counts_a_character_split_over_tokens_once():
     offsets = _TextOffsets(5)  # after a 5-character echo, over two chunks (a stream's)
     assert _completion_logprobs(state, [3, 1], lps[:2], offsets)["text_offset"] == [5, 6]
     assert _completion_logprobs(state, [2, 3], lps[:2], offsets)["text_offset"] == [6, 7]
+    # the text leaves special tokens out (skip_special_tokens): "a<|im_start|>a" is "aa"
+    assert _completion_logprobs(state, [3, 4, 3], lps, _TextOffsets())["text_offset"] == [0, 1, 1]
 
 
 def test_logprobs_with_speculation_equal_without(tiny_llama, server):
@@ -260,6 +263,11 @@ def test_errors_have_openai_shape_and_status(server, client):
     assert s == 400 and e["param"] == "messages.0.name"
     s, e = _error(lambda: client.completions.create(model="tiny", prompt="hi", n=0))
     assert s == 400 and e["param"] == "n"
+    s, e = _error(lambda: client.completions.create(model="tiny", prompt="hi", n=2, best_of=1))  # as OpenAI / vLLM
+    assert s == 400 and e["param"] == "best_of" and "best_of must be >= n" in e["message"]
+    for seed in (2**63, -2**63 - 1):  # vLLM's int64 bound (seeds 2^64 apart drew the same noise)
+        s, e = _error(lambda: client.completions.create(model="tiny", prompt="hi", seed=seed, max_tokens=1))
+        assert s == 400 and e["param"] == "seed", (seed, e)
     big = httpx.post(server.url + "/v1/completions", content=b'{"model": "tiny", "prompt": "' + b"a" * (70 << 10) + b'"}',
                      headers={"content-type": "application/json"})
     assert big.status_code == 413 and set(big.json()["error"]) == {"message", "type", "param", "code"}

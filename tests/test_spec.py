@@ -295,6 +295,33 @@ def test_seeded_sampling_speculative_equals_plain(tiny_llama, plain, head_dir, n
     assert [o.token_ids for o in llm.generate(ps, params)] == ref
 
 
+def test_sampled_trees_draw_only_the_nodes_the_walk_reads(tiny_llama, plain, head_dir, monkeypatch):
+    """A sampled request's tree is verified by drawing (top-p sort, noise) only at the nodes the
+    acceptance walk reaches, at most depth + 1 a round, not at all 20 nodes; the output is the
+    same seeded plain output, logprobs included."""
+    import engine.sampler as sampler
+    draws, noises, real_truncate, real_noise = [], [], sampler.truncate, sampler.gumbel_noise
+    monkeypatch.setattr(sampler, "truncate", lambda *a: draws.append(1) or real_truncate(*a))
+    monkeypatch.setattr(sampler, "gumbel_noise", lambda *a: noises.append(a[:2]) or real_noise(*a))
+    spec = SpecConfig("eagle2", total_tokens=20, depth=5, top_k=4)
+    ps = prompts(3, seed=7)
+    params = [SamplingParams(max_tokens=24, temperature=0.9, top_p=0.8, seed=i, ignore_eos=True, logprobs=1)
+              for i in range(3)]
+    ref = plain.generate(ps, params)
+    llm = LLM(tiny_llama[0], draft=head_dir, spec=spec, **KW)
+    draws.clear(), noises.clear()
+    got = llm.generate(ps, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    for a, b in zip(got, ref):
+        assert [round(x.logprob, 9) for x in a.logprobs] == [round(x.logprob, 9) for x in b.logprobs]
+    rounds = sum(o.spec.verify_steps for o in got)
+    nodes = sum(o.spec.draft_tokens for o in got) + rounds
+    emitted = sum(len(o.token_ids) for o in got)
+    # one draw per emitted token (the prompt's first pick included), each noise (seed, position) drawn once
+    assert len(draws) == emitted and len(noises) == len(set(noises)) == emitted
+    assert nodes > 3 * len(draws), (nodes, len(draws))  # the trees were wide: drawing them all would cost more
+
+
 def test_oracle_sampling_with_penalties_equals_plain(tiny_llama, plain):
     """Deep acceptances under sampling with penalties: the oracle proposes the seeded plain
     continuation, so most nodes are accepted and per-node penalties are exercised."""

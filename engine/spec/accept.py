@@ -9,6 +9,7 @@ bonus from what remains), and with the same noise it picks exactly what plain de
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.spec.tree import DraftTree
@@ -20,8 +21,9 @@ class VerifyResult:
     tokens: list[int]  # emitted: the accepted nodes' tokens, then the bonus token
 
 
-def walk(tree: DraftTree, chosen: list[int]) -> VerifyResult:
-    """chosen[i]: the token the target picks at node i."""
+def walk(tree: DraftTree, chosen: Sequence[int]) -> VerifyResult:
+    """chosen[i]: the token the target picks at node i, read only for the nodes the walk reaches
+    (the runner passes picks that are drawn when read)."""
     children = tree.children()
     node, accepted = 0, []
     while (nxt := children[node].get(chosen[node])) is not None:
