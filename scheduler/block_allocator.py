@@ -16,7 +16,9 @@ free list is empty.
 """
 from __future__ import annotations
 
+import hashlib
 import heapq
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -49,11 +51,19 @@ class BlockTable:
         return [self.blocks[p // bs] * bs + p % bs for p in range(start, stop)]
 
 
-def block_hashes(tokens: list[int], block_size: int, parent: int | None = None) -> list[int]:
-    """Hash of every full block of `tokens`, each chained to all tokens before it."""
-    out, h = [], parent
+BlockHash = bytes
+
+
+def block_hashes(tokens: list[int], block_size: int, parent: BlockHash | None = None) -> list[BlockHash]:
+    """Hash of every full block of `tokens`, each chained to all tokens before it: a 128-bit
+    BLAKE2b digest of the parent's digest and the block's token ids. Python's hash() of the
+    token tuple (as this was) is 64 bits, unseeded for ints and invertible step by step, so
+    one client could craft a block that collides with another's (a system prompt's) and have
+    its KV served to them (vLLM's CVE-2025-25183 was this kind of prefix-cache poisoning)."""
+    out, h = [], parent or b""
     for i in range(len(tokens) // block_size):
-        h = hash((h, tuple(tokens[i * block_size:(i + 1) * block_size])))
+        h = hashlib.blake2b(h + array("q", tokens[i * block_size:(i + 1) * block_size]).tobytes(),
+                            digest_size=16).digest()
         out.append(h)
     return out
 
@@ -82,8 +92,8 @@ class BlockAllocator:
         self.num_borrowed = 0  # blocks in tables from `take_uncached` not yet freed
         self.set_order(lowest_first)
         self._refcount = [0] * num_blocks
-        self._by_hash: dict[int, int] = {}
-        self._hash_of: dict[int, int] = {}
+        self._by_hash: dict[BlockHash, int] = {}
+        self._hash_of: dict[int, BlockHash] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()  # unheld cached blocks, LRU first
         self.prefix_queried_tokens = 0  # tokens looked up in the prefix cache
         self.prefix_hit_tokens = 0  # of those, found (KV reused, not recomputed)
@@ -113,7 +123,7 @@ class BlockAllocator:
         would otherwise report as a full cache while the server is idle."""
         return self.num_used_blocks - self.num_borrowed
 
-    def match_prefix(self, table: BlockTable, hashes: list[int]) -> int:
+    def match_prefix(self, table: BlockTable, hashes: list[BlockHash]) -> int:
         """Take the longest run of cached blocks matching `hashes` into an empty table; returns
         the number of tokens now committed from the cache."""
         if table.blocks:
@@ -138,10 +148,10 @@ class BlockAllocator:
         self.prefix_queried_tokens += queried
         self.prefix_hit_tokens += hit
 
-    def cached(self, h: int) -> bool:
+    def cached(self, h: BlockHash) -> bool:
         return h in self._by_hash
 
-    def register(self, table: BlockTable, hashes: list[int]) -> None:
+    def register(self, table: BlockTable, hashes: list[BlockHash]) -> None:
         """Publish the table's full committed blocks (hashes[i] belongs to block i)."""
         if not self.enable_prefix_caching:
             return

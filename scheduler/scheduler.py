@@ -79,7 +79,7 @@ class Scheduler:
             looked_up = 0
             if seq.table.num_committed == 0 and not seq.table.blocks:
                 hashes = seq.block_hashes(self.allocator.block_size, seq.num_tokens - 1)
-                nxt = len([h for h in hashes if self.allocator.cached(h)])
+                nxt = next((i for i, h in enumerate(hashes) if not self.allocator.cached(h)), len(hashes))  # the leading run
                 if nxt < len(hashes) and hashes[nxt] in inflight and scheduled:
                     break  # its next block is being computed now: take it from the cache next step
                 self.allocator.match_prefix(seq.table, hashes)
@@ -122,7 +122,7 @@ class Scheduler:
                 self.allocator.rollback(s.table)
                 self.allocator.reserve(s.table, 1)
 
-    def _new_hashes(self, seq: Sequence) -> list[int]:
+    def _new_hashes(self, seq: Sequence) -> list[bytes]:
         bs = self.allocator.block_size
         start = seq.table.num_committed // bs
         return seq.block_hashes(bs, seq.table.num_committed + seq.num_scheduled)[start:]

@@ -73,9 +73,9 @@ class Sequence:
     head_sync: bool = True  # not drafting this step: the drafter may still consume its backlog
     head_backlog: int = 0  # pairs the drafter held for it after its last sampled step
     error: str | None = None  # why an engine error ended it (finish reason ERROR)
-    _hashes: list[int] = field(default_factory=list)
+    _hashes: list[bytes] = field(default_factory=list)  # block_allocator.BlockHash
 
-    def block_hashes(self, block_size: int, num_tokens: int | None = None) -> list[int]:
+    def block_hashes(self, block_size: int, num_tokens: int | None = None) -> list[bytes]:
         """Prefix-cache hashes of the full blocks among the first `num_tokens` tokens."""
         from scheduler.block_allocator import block_hashes
         n = (self.num_tokens if num_tokens is None else num_tokens) // block_size

@@ -129,3 +129,15 @@ def test_blocks_are_handed_out_lowest_id_first():
     lifo.set_order(lowest_first=True)
     lifo.reserve(c, 6)
     assert c.blocks == [2, 0, 1]
+
+
+def test_block_hashes_are_digests_of_the_tokens_not_pythons_hash():
+    """Equal hashes must mean equal tokens, whoever sent them: Python's hash() of the token tuple
+    (as the keys were) maps an int and that int plus 2^61 - 1 to the same value, and a 64-bit
+    unseeded hash can be collided on purpose (a crafted block served another client's KV)."""
+    from scheduler.block_allocator import block_hashes
+    m = (1 << 61) - 1
+    a, b = block_hashes([5, 6, 7, 8], 4), block_hashes([5 + m, 6, 7, 8], 4)
+    assert a != b and len(a[0]) == 16
+    assert block_hashes([5, 6, 7, 8, 9, 10, 11, 12], 4) == a + block_hashes([9, 10, 11, 12], 4, parent=a[0])
+    assert block_hashes([9, 10, 11, 12], 4) != block_hashes([9, 10, 11, 12], 4, parent=a[0])  # chained
