@@ -33,6 +33,8 @@ class Tokenizer:
     _byte_level: bool | None = None
     # the other special tokens a template may name (pad_token, unk_token, ...), as HF passes them
     special_tokens: dict[str, str] = field(default_factory=dict)
+    # a tokenizer_config.json's named chat templates, where it has a list of them
+    template_names: tuple[str, ...] = ()
 
     @classmethod
     def from_dir(cls, path: str) -> Tokenizer:
@@ -54,14 +56,18 @@ class Tokenizer:
         if os.path.exists(jinja_file):
             with open(jinja_file, encoding="utf-8") as f:
                 template = f.read()
+        named = ()
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+            named = tuple(str(t.get("name")) for t in template if isinstance(t, dict))
+            template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                            None)
         try:
             backend = HFTokenizer.from_file(tj)
         except Exception as e:  # noqa: BLE001 - the tokenizers library raises plain Exceptions for a broken file
             raise ValueError(f"{tj}: not a readable tokenizer file ({e})") from None
         tok = cls(backend, template, special.get("bos_token"), special.get("eos_token"),
-                  special_tokens={k: v for k, v in special.items() if k not in ("bos_token", "eos_token")})
+                  special_tokens={k: v for k, v in special.items() if k not in ("bos_token", "eos_token")},
+                  template_names=named)
         tok.byte_level  # decided now, not on a request's first logprobs (it reads the whole tokenizer)
         return tok
 
@@ -120,6 +126,9 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
+            if self.template_names:  # as transformers: a list of templates needs one named "default"
+                raise TemplateError(f"this model has several chat templates ({', '.join(self.template_names)}) and "
+                                    "none is named 'default'; send a plain prompt instead")
             raise TemplateError("this model has no chat template; send a plain prompt instead")
         try:
             template = _compile(self.chat_template)

@@ -157,6 +157,14 @@ def test_template_variables_and_special_token_files_match_hf(tmp_path):
     ours, hf = both({"added_tokens_decoder": {}, "chat_template": "[{{ bos_token }}]{{ messages[0].content }}"},
                     {"bos_token": "<|im_start|>"})
     assert ours == hf == "[]hi"
+    # a list of named templates: the one named "default" (none such: an error naming them, as HF refuses)
+    ours, hf = both({"chat_template": [{"name": "tool_use", "template": "T{{ messages[0].content }}"},
+                                       {"name": "default", "template": "D{{ messages[0].content }}"}]})
+    assert ours == hf == "Dhi"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": [{"name": "tool_use", "template": "T"}, {"name": "rag", "template": "R"}]}))
+    with pytest.raises(TemplateError, match=r"several chat templates \(tool_use, rag\) and none is named 'default'"):
+        Tokenizer.from_dir(str(tmp_path)).apply_chat_template(msgs)
     (tmp_path / "tokenizer_config.json").write_text("{oops")
     with pytest.raises(ValueError, match="tokenizer_config.json: not valid JSON"):
         Tokenizer.from_dir(str(tmp_path))
