@@ -72,8 +72,6 @@ class ModelRunner:
             config.model, self.dtype, self.device, config.skip_tokenizer)
         self.model = self.loaded.model
         self.num_prepacked = self.model.prepack() if self.device.type == "cpu" else 0
-        # the most rows one forward runs through the decode kernels (0: none, as on CUDA)
-        self.native_rows = self.model.native_rows if self.num_prepacked else 0
         cfg = self.loaded.config
         self.num_blocks = self._num_blocks()
         # + the CUDA graphs' scratch block for padded writes (none on the CPU), never handed out
@@ -229,11 +227,8 @@ class ModelRunner:
     @staticmethod
     def _span(step: SeqStep, tree: DraftTree) -> SeqSpan:
         if len(tree) == 1:
-            # a prompt's chunk takes the kernels its whole prompt took; a recomputed sequence's
-            # output tokens (past its prompt) the few-row ones their decode steps took (Scheduler._chunk)
-            prompt_len = len(step.prompt_token_ids)
             return SeqSpan(step.token_ids, step.num_cached, step.block_table,
-                           prompt_len=prompt_len if step.feeds_prompt and step.num_cached < prompt_len else 0)
+                           prompt_len=len(step.prompt_token_ids) + len(step.output_token_ids) if step.feeds_prompt else 0)
         assert len(step.token_ids) == 1, "trees follow a single uncomputed token"
         return SeqSpan(tree.tokens, step.num_cached, step.block_table,
                        positions=[step.num_cached + d for d in tree.depths], tree_mask=tree.ancestor_mask())

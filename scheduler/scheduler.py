@@ -34,17 +34,11 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192
     max_prefill_chunk: int = 512  # prompt tokens one sequence feeds per step
-    # output tokens a recomputed (preempted) sequence feeds per step: the most rows the engine
-    # runs through its decode kernels (ModelRunner.native_rows), so they are rounded as their
-    # decode steps rounded them; None: no limit (where every batch size rounds alike)
-    recompute_chunk: int | None = None
 
     def __post_init__(self):
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        if self.recompute_chunk is not None and self.recompute_chunk < 1:
-            raise ValueError("recompute_chunk must be >= 1 or None")
 
 
 class Scheduler:
@@ -90,7 +84,7 @@ class Scheduler:
                     break  # its next block is being computed now: take it from the cache next step
                 self.allocator.match_prefix(seq.table, hashes)
                 looked_up = len(hashes) * self.allocator.block_size
-            n = self._chunk(seq, min(seq.num_uncomputed, self.config.max_prefill_chunk, budget))
+            n = min(seq.num_uncomputed, self.config.max_prefill_chunk, budget)
             # everything but the last token came from the cache: a recomputed sequence's last
             # output token decodes (and may speculate); a prompt's is computed as a prompt
             slots = self._slots(seq) if seq.decodes_next else n
@@ -114,18 +108,6 @@ class Scheduler:
         self._choose_trees(scheduled)
         self._release_unused_scratch(scheduled)
         return scheduled
-
-    def _chunk(self, seq: Sequence, n: int) -> int:
-        """Up to n of a sequence's uncomputed tokens. A recomputed sequence's chunk stops at its
-        prompt's end (the prompt takes the kernels its first prefill took) and then feeds its
-        output tokens recompute_chunk at a time (the kernels their decode steps took): fed as
-        one long prompt they went through oneDNN, whose bf16 rounding differs, and a preempted
-        greedy request parted from its uninterrupted run at a near-tie (0/8 the same on the
-        default model, a helper's repro)."""
-        if not seq.output_token_ids or self.config.recompute_chunk is None or seq.num_uncomputed <= 1:
-            return n
-        done, prompt = seq.table.num_committed, len(seq.prompt_token_ids)
-        return min(n, prompt - done) if done < prompt else min(n, self.config.recompute_chunk)
 
     def _release_unused_scratch(self, scheduled: list[Sequence]) -> None:
         """A decoding sequence the budget decodes plainly this round writes one slot: its
@@ -151,7 +133,7 @@ class Scheduler:
             if seq not in self.running:  # preempted below to make room for an older one
                 continue
             if seq.num_uncomputed > 1:  # a prompt still prefilling, chunk by chunk
-                n = self._chunk(seq, min(seq.num_uncomputed, self.config.max_prefill_chunk, max(budget, 0)))
+                n = min(seq.num_uncomputed, self.config.max_prefill_chunk, max(budget, 0))
                 if n == 0:
                     continue
                 slots = n

@@ -41,8 +41,7 @@ class LLM:
         self.allocator = BlockAllocator(self.runner.num_blocks, c.block_size, c.enable_prefix_caching)
         sched = SchedulerConfig(max_model_len=self.runner.max_model_len, max_num_seqs=c.max_num_seqs,
                                 max_num_batched_tokens=c.max_num_batched_tokens,
-                                max_prefill_chunk=min(c.max_prefill_chunk, c.max_num_batched_tokens),
-                                recompute_chunk=self.runner.native_rows or None)
+                                max_prefill_chunk=min(c.max_prefill_chunk, c.max_num_batched_tokens))
         spec = c.spec
         self.budget = None
         self.cost_profile = None

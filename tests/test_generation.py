@@ -70,33 +70,6 @@ def test_kv_pressure_preempts_and_recomputes_identically(tiny_llama):
     assert tight.allocator.num_free_blocks == tight.allocator.num_blocks  # nothing leaked
 
 
-@pytest.mark.parametrize("prefix_caching", [False, True])
-def test_bf16_preemption_recomputes_with_the_kernels_the_outputs_took(tiny_llama, prefix_caching):
-    """In bf16 (the CPU default) a preempted greedy request gives its uninterrupted output: its
-    prompt is recomputed as that prompt was, its output tokens a few rows at a time through the
-    decode kernels that first computed them. Recomputed as one long prompt (oneDNN's rounding),
-    3 of 12 such requests kept their output. One sequence at a time, preempted every 7 steps."""
-    rng = random.Random(0)
-    prompts = [[rng.randrange(3, 300) for _ in range(rng.randrange(5, 40))] for _ in range(12)]
-    sp = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
-    kw = dict(dtype="bfloat16", device="cpu", kv_cache_tokens=1024, block_size=4, enable_prefix_caching=prefix_caching)
-    plain, pre = LLM(tiny_llama[0], **kw), LLM(tiny_llama[0], **kw)
-    assert pre.runner.native_rows > 1 and pre.loop.scheduler.config.recompute_chunk == pre.runner.native_rows
-    same = 0
-    for p in prompts:
-        ref = plain.generate(p, sp)[0].token_ids
-        seq, k = pre.loop.add_request(p, sp), 0
-        while not seq.is_finished:
-            pre.loop.step()
-            k += 1
-            if k % 7 == 0 and not seq.is_finished:
-                pre.loop.scheduler._preempt(seq)
-        same += list(seq.output_token_ids) == ref
-    assert same == len(prompts)
-    assert pre.loop.scheduler.num_preemptions >= 12 * 6
-    assert pre.allocator.num_free_blocks == pre.allocator.num_blocks
-
-
 def test_incremental_detokenizer_never_splits_characters(tiny_llm):
     tok = tiny_llm.tokenizer
     text = "héllo wörld ✓ 你好 世界 ünïcode"

@@ -138,14 +138,6 @@ class LlamaForCausalLM(nn.Module):
         self.set_aux_layers(self.aux_layers)  # a stack built after them returns them too
         return packed
 
-    @property
-    def native_rows(self) -> int:
-        """The most rows a forward takes through the native kernels (0: none), each row rounded
-        as a one-row decode step rounds it: the native stack's limit, else the linears'."""
-        if self._stack is not None:
-            return self._stack_max_rows
-        return min((m.native_max_rows for m in self.modules() if isinstance(m, Linear)), default=0)
-
     def _native_forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """The whole stack in one native call (decode-sized batches on the CPU)."""
         return native_stack_forward(self._stack, self.model.embed_tokens(batch.input_ids), batch, kv,
