@@ -46,6 +46,8 @@ def run(args) -> dict:
                       regen_max_tokens=args.regen_max_tokens, max_conversations=args.skip + args.conversations)
     os.makedirs(work, exist_ok=True)
     convs = load_conversations(data, args.skip + args.conversations)[args.skip:]
+    if not convs:  # (MT-bench has 80: the ShareGPT skip left nothing, and the run failed deep in torch.cat)
+        raise SystemExit(f"{data}: no conversations past --skip {args.skip}")
     convs = regenerate(cfg, convs, print)
     device = resolve_device("auto")
     loaded = load_model(None, resolve_dtype("auto", device), device)
@@ -96,7 +98,9 @@ def write_mtbench(path: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--heads", required=True, help="comma-separated head directories")
-    ap.add_argument("--skip", type=int, default=3072, help="conversations of --data before the evaluation set")
+    ap.add_argument("--skip", type=int, default=None,
+                    help="conversations of --data before the evaluation set (default: 3072 for sharegpt, "
+                         "past what the shipped head trained on; else 0)")
     ap.add_argument("--conversations", type=int, default=48)
     ap.add_argument("--data", default="sharegpt",
                     help="`sharegpt`, `mtbench` (its 80 first turns) or a JSONL of conversations "
@@ -106,6 +110,8 @@ def main() -> None:
     ap.add_argument("--work", default=os.path.expanduser("~/.cache/eagle-serve/head-eval"))
     ap.add_argument("--out", default=os.path.join(HERE, "results", "head_eval.json"))
     args = ap.parse_args()
+    if args.skip is None:
+        args.skip = 3072 if args.data == "sharegpt" else 0
     result = on_engine_thread(run, args)
     bd.write_result(args.out, result)
 

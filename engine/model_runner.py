@@ -166,8 +166,10 @@ class ModelRunner:
             offsets.append(offsets[-1] + len(span.token_ids))
         roots = [offsets[i] + len(s.token_ids) - 1 for i, s in enumerate(steps)]
         sampled = [i for i, s in enumerate(steps) if s.sample]
-        rows, sample_rows = [], []
+        rows, sample_rows, lazy = [], [], set()
         for i in sampled:
+            if len(trees[i]) > 1:  # a tree's nodes are drawn as its walk reads them (Picks)
+                lazy.update(range(len(rows), len(rows) + len(trees[i])))
             rows.extend(range(roots[i], roots[i] + len(trees[i])))
             sample_rows.extend(node_rows(steps[i], trees[i]))
         # the first hidden columns only: a fused-feature head's [f ; aux] rows would be gathered
@@ -176,7 +178,7 @@ class ModelRunner:
         picks = None
         if rows:  # a round of prompt chunks that reach no prompt's end samples nothing
             logits = self.model.compute_logits(features[torch.tensor(rows, dtype=torch.long, device=self.device)])
-            picks = Picks(logits, sample_rows, self.loaded.eos_token_ids)  # sampled rows drawn as the walks read them
+            picks = Picks(logits, sample_rows, self.loaded.eos_token_ids, frozenset(lazy))
         t2 = time.perf_counter()
         # what the head observes this round: (step, tokens, reset) and each token's feature row,
         # written to the drafter in one call

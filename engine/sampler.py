@@ -75,12 +75,13 @@ def truncate(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return logits
 
 
-def choose(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """Processed logits [N, V] -> chosen token ids [N] (still on the device)."""
+def choose(logits: torch.Tensor, rows: list[SampleRow], skip: frozenset[int] = frozenset()) -> torch.Tensor:
+    """Processed logits [N, V] -> chosen token ids [N] (still on the device). Sampled rows in
+    `skip` are left undrawn (their argmax)."""
     chosen = logits.argmax(-1)
     for i, row in enumerate(rows):
         p = row.params
-        if p.greedy:
+        if p.greedy or i in skip:
             continue
         chosen[i] = draw(logits[i], p, gumbel_noise(row.seed, row.output_position, logits.shape[1]))
     return chosen
@@ -93,23 +94,22 @@ def draw(logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor) -> t
 
 
 class Picks:
-    """The target's pick at each row, each made when first read. The processing (bias,
-    penalties, min_tokens) of every row and the greedy picks are done here, in the round's one
-    host sync; a sampled row's draw (truncation, whose top-p sorts the whole vocabulary, and
-    noise) only when it is read. Tree acceptance reads a node only when the walk reaches it, at
-    most depth + 1 of a tree's nodes, so a sampled request with a 60-node tree no longer pays 60
-    draws a round (each read of a sampled row is then one small host sync of its own). Nodes at
-    one depth share (seed, output position), so their noise is drawn once. Logprobs likewise,
-    for the rows read."""
+    """The target's pick at each row. The processing (bias, penalties, min_tokens) of every row,
+    the greedy picks and the draws of sampled rows outside `lazy` are made at once, in the
+    round's one host sync; a sampled row in `lazy` (a tree's node) is drawn (truncation, whose
+    top-p sorts the whole vocabulary, then noise) only when it is read. Tree acceptance reads a
+    node only when the walk reaches it, at most depth + 1 of a tree's nodes, so a sampled request
+    with a 60-node tree no longer pays 60 draws a round (each lazy read is a small host sync of
+    its own). Logprobs likewise, for the rows read."""
 
-    def __init__(self, logits: torch.Tensor, rows: list[SampleRow], stop_ids: frozenset[int]):
+    def __init__(self, logits: torch.Tensor, rows: list[SampleRow], stop_ids: frozenset[int],
+                 lazy: frozenset[int] = frozenset()):
         self.raw, self.rows = logits, rows  # raw: the model's logits (logprobs are reported from them)
         if any(r.params.logit_bias or r.params.needs_penalties or r.params.min_tokens for r in rows):
             logits = process_logits(logits.clone(), rows, stop_ids)
         self.logits = logits
-        self._tokens = logits.argmax(-1).tolist()  # the round's one host sync: final for greedy rows
-        self._drawn = [r.params.greedy for r in rows]
-        self._noise: dict[tuple[int, int], torch.Tensor] = {}
+        self._tokens = choose(logits, rows, lazy).tolist()  # the round's one host sync
+        self._drawn = [r.params.greedy or i not in lazy for i, r in enumerate(rows)]
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -118,10 +118,8 @@ class Picks:
         """The token picked at row i."""
         if not self._drawn[i]:
             row = self.rows[i]
-            key = (row.seed, row.output_position)
-            if key not in self._noise:
-                self._noise[key] = gumbel_noise(row.seed, row.output_position, self.logits.shape[1]).to(self.logits.device)
-            self._tokens[i] = int(draw(self.logits[i], row.params, self._noise[key]))
+            noise = gumbel_noise(row.seed, row.output_position, self.logits.shape[1])
+            self._tokens[i] = int(draw(self.logits[i], row.params, noise))
             self._drawn[i] = True
         return self._tokens[i]
 
@@ -148,8 +146,7 @@ class PicksView:
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow], stop_ids: frozenset[int]) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """Pick one token per row; also the raw logprobs for rows that asked for them (every row
-    drawn: Picks draws only the rows read)."""
+    """Pick one token per row; also the raw logprobs for rows that asked for them."""
     picks = Picks(logits, rows, stop_ids)
     return [picks[i] for i in range(len(rows))], [picks.logprobs(i) for i in range(len(rows))]
 

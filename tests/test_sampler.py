@@ -122,6 +122,20 @@ def test_logprobs_are_raw_log_softmax():
     assert [t for t, _ in lps[0].top] == torch.topk(ref, 3).indices.tolist()
 
 
+def test_picks_draw_lazy_rows_when_read_and_the_rest_at_once():
+    """Rows outside `lazy` (plain rounds) are drawn when Picks is built, in the round's one sync;
+    a lazy row (a tree node) only when read; either way the pick is the eager sample's."""
+    from engine.sampler import Picks
+    logits = torch.randn(4, 50, dtype=torch.float64)
+    rows = [SampleRow(SamplingParams(temperature=t, top_p=0.9, seed=s), s, 3, [])
+            for t, s in ((0.8, 1), (0, 2), (1.2, 3), (0.5, 4))]
+    tokens, _ = sample(logits.clone(), rows, frozenset())
+    picks = Picks(logits.clone(), rows, frozenset(), lazy=frozenset({2, 3}))
+    assert picks._drawn == [True, True, False, False]
+    assert picks[3] == tokens[3] and picks._drawn == [True, True, False, True]
+    assert [picks[i] for i in range(4)] == tokens
+
+
 def test_seeded_output_is_independent_of_batch_composition(tiny_llm):
     rng = random.Random(0)
     prompt = [rng.randrange(3, 300) for _ in range(12)]

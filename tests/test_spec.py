@@ -317,7 +317,7 @@ def test_sampled_trees_draw_only_the_nodes_the_walk_reads(tiny_llama, plain, hea
     rounds = sum(o.spec.verify_steps for o in got)
     nodes = sum(o.spec.draft_tokens for o in got) + rounds
     emitted = sum(len(o.token_ids) for o in got)
-    # one draw per emitted token (the prompt's first pick included), each noise (seed, position) drawn once
+    # one draw per emitted token (the prompt's first pick included), no node drawn twice
     assert len(draws) == emitted and len(noises) == len(set(noises)) == emitted
     assert nodes > 3 * len(draws), (nodes, len(draws))  # the trees were wide: drawing them all would cost more
 
