@@ -19,6 +19,7 @@ from engine.sampling_params import SamplingParams
 from engine.step_io import TokenLogprobs
 
 MASK64 = (1 << 64) - 1
+TOP_P_FIRST_K = 256  # candidates top-p looks at first (a nucleus past them widens the search)
 
 
 @dataclass(frozen=True)
@@ -67,11 +68,23 @@ def truncate(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # keep a token if the mass strictly before it is below top_p (the top token always stays)
-        drop = (probs.cumsum(-1) - probs) >= top_p
-        logits = logits.index_fill(0, order[drop], float("-inf"))
+        # keep a token if the mass strictly before it (in descending order) is below top_p; the
+        # top token always stays. The nucleus is found among the top k, k growing until it holds
+        # a dropped token (then everything past k is dropped too): sorting the whole vocabulary
+        # cost 2.6 ms of a 4.1 ms draw at 49152 tokens
+        probs, n, k = logits.softmax(-1), logits.shape[0], TOP_P_FIRST_K
+        while True:
+            if k * 16 > n:  # a wide nucleus: one full sort (a top-k of most of the vocabulary is slower)
+                k = n
+                top, order = torch.sort(probs, descending=True)
+            else:
+                top, order = torch.topk(probs, k)  # descending
+            drop = (top.cumsum(-1) - top) >= top_p
+            if k == n or bool(drop[-1]):
+                break
+            k *= 8
+        keep = order[~drop]
+        logits = torch.full_like(logits, float("-inf")).index_copy_(0, keep, logits[keep])
     return logits
 
 

@@ -77,6 +77,23 @@ def test_truncation_never_emits_excluded_tokens_on_random_logits():
         assert set(draws(logits, params, 200, seed=trial)) <= allowed
 
 
+@pytest.mark.parametrize("spread", [0.3, 2.0, 6.0], ids=["flat", "medium", "peaked"])
+def test_top_p_keeps_exactly_the_full_sort_nucleus(spread):
+    """truncate finds the nucleus among a growing top-k (not a sort of the whole vocabulary); the
+    kept set is the one the whole sorted distribution gives, nuclei from 1 token to most of a
+    49152-token vocabulary (past the first 256 and 2048 candidates) included."""
+    from engine.sampler import truncate
+    gen = torch.Generator().manual_seed(int(spread * 10))
+    for top_p in (0.3, 0.9, 0.995):
+        logits = torch.randn(49152, generator=gen, dtype=torch.float64) * spread
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        want = set(order[(probs.cumsum(-1) - probs) < top_p].tolist())
+        got = truncate(logits, -1, top_p)
+        assert set(torch.nonzero(~torch.isinf(got)).flatten().tolist()) == want
+        assert torch.equal(got[list(want)], logits[list(want)])
+
+
 def test_temperature_zero_is_argmax_whatever_the_seed():
     logits = torch.randn(6, 100, dtype=torch.float64)
     rows = [SampleRow(SamplingParams(temperature=0, seed=s), s, 0, []) for s in range(6)]
