@@ -109,8 +109,8 @@ def draw(logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor) -> t
 class Picks:
     """The target's pick at each row. The processing (bias, penalties, min_tokens) of every row,
     the greedy picks and the draws of sampled rows outside `lazy` are made at once, in the
-    round's one host sync; a sampled row in `lazy` (a tree's node) is drawn (truncation, whose
-    top-p sorts the whole vocabulary, then noise) only when it is read. Tree acceptance reads a
+    round's one host sync; a sampled row in `lazy` (a tree's node) is drawn (truncation, then
+    noise over the whole vocabulary) only when it is read. Tree acceptance reads a
     node only when the walk reaches it, at most depth + 1 of a tree's nodes, so a sampled request
     with a 60-node tree no longer pays 60 draws a round (each lazy read is a small host sync of
     its own). Logprobs likewise, for the rows read."""

@@ -80,8 +80,9 @@ def test_truncation_never_emits_excluded_tokens_on_random_logits():
 @pytest.mark.parametrize("spread", [0.3, 2.0, 6.0], ids=["flat", "medium", "peaked"])
 def test_top_p_keeps_exactly_the_full_sort_nucleus(spread):
     """truncate finds the nucleus among a growing top-k (not a sort of the whole vocabulary); the
-    kept set is the one the whole sorted distribution gives, nuclei from 1 token to most of a
-    49152-token vocabulary (past the first 256 and 2048 candidates) included."""
+    kept set is the one the whole sorted distribution gives (up to the softmax sum's rounding,
+    which only top_p within ~1e-12 of 1 can see), nuclei from 1 token to most of a 49152-token
+    vocabulary (past the first 256 and 2048 candidates) included."""
     from engine.sampler import truncate
     gen = torch.Generator().manual_seed(int(spread * 10))
     for top_p in (0.3, 0.9, 0.995):
