@@ -14,7 +14,8 @@ and position), which the script checks. Plain sampled decoding (no speculation) 
 as the reference.
 
     .venv/bin/python bench/bench_sampled_spec.py [--trees 3x1x2,8x4x3] [--prompts 4] [--max-new 64]
-Writes --out (bench/results/sampled_spec.json).
+Writes --out (bench/results/sampled_spec.json). First, and alone with --micro-only: one
+vocabulary-sized row's top-p truncation, growing top-k against the whole sort (truncate_micro).
 """
 from __future__ import annotations
 
@@ -63,6 +64,27 @@ class EagerPicks(sampler.Picks):
             self[i]
 
 
+def truncate_micro(reps: int = 30) -> list[dict]:
+    """ms per top-p truncation of one 49152-token float64 row (the default model's vocabulary),
+    the growing top-k against the whole sort, alternating, at three spreads of the logits
+    (bf16-rounded, as the model's are) and three top_p: the nucleus from a token to most of the
+    vocabulary. Also one whole draw (truncation + noise) at the peaked spread."""
+    out = []
+    gen = torch.Generator().manual_seed(0)
+    for spread in (0.5, 3.0, 10.0):
+        row = (torch.randn(49152, generator=gen) * spread).to(torch.bfloat16).double() / 0.7
+        for top_p in (0.5, 0.9, 0.99):
+            t = {"growing": [], "sort": []}
+            for _ in range(reps):
+                for name, fn in (("growing", sampler.truncate), ("sort", sort_truncate)):
+                    t0 = time.perf_counter()
+                    kept = fn(row, -1, top_p)
+                    t[name].append((time.perf_counter() - t0) * 1e3)
+            out.append({"spread": spread, "top_p": top_p, "kept": int((~torch.isinf(kept)).sum()),
+                        "growing_ms": statistics.median(t["growing"]), "sort_ms": statistics.median(t["sort"])})
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trees", default="3x1x2,8x4x3,60x6x10", help="TOTALxDEPTHxTOPK, comma-separated")
@@ -72,7 +94,18 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--top-p", type=float, default=0.9)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "sampled_spec.json"))
+    ap.add_argument("--micro-only", action="store_true", help="only the truncation timings (no model)")
     args = ap.parse_args(argv)
+    micro = truncate_micro()
+    print(f"{'spread':>6} {'top_p':>5} {'kept':>6} {'growing ms':>10} {'sort ms':>8}")
+    for m in micro:
+        print(f"{m['spread']:>6} {m['top_p']:>5} {m['kept']:>6} {m['growing_ms']:>10.2f} {m['sort_ms']:>8.2f}")
+    if args.micro_only:
+        os.makedirs(os.path.dirname(args.out), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "truncate_micro": micro}, f, indent=1)
+        print(f"-> {args.out}")
+        return 0
     prompts = bd.mtbench_ids(args.prompts)
     params = [SamplingParams(max_tokens=args.max_new, temperature=args.temperature, top_p=args.top_p, seed=i,
                              ignore_eos=True) for i in range(len(prompts))]
@@ -112,7 +145,7 @@ def main(argv=None) -> int:
                      "same_ids": same,
                      "lazy_over_none": statistics.median(b / a for a, b in zip(times[("none", "lazy")],
                                                                                  times[(tree, "lazy")]))})
-    result = {"args": vars(args), "none_tok_s": statistics.median(times[("none", "lazy")]),
+    result = {"args": vars(args), "truncate_micro": micro, "none_tok_s": statistics.median(times[("none", "lazy")]),
               "none_sort_tok_s": statistics.median(times[("none", "sort")]),
               "none_over_none_sort": statistics.median(b / a for a, b in zip(times[("none", "sort")],
                                                                               times[("none", "lazy")])),

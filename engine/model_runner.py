@@ -178,7 +178,7 @@ class ModelRunner:
         picks = None
         if rows:  # a round of prompt chunks that reach no prompt's end samples nothing
             logits = self.model.compute_logits(features[torch.tensor(rows, dtype=torch.long, device=self.device)])
-            picks = Picks(logits, sample_rows, self.loaded.eos_token_ids, frozenset(lazy))
+            picks = Picks(logits, sample_rows, self.loaded.eos_token_ids, lazy)
         t2 = time.perf_counter()
         # what the head observes this round: (step, tokens, reset) and each token's feature row,
         # written to the drafter in one call

@@ -58,7 +58,7 @@ class Tokenizer:
                 template = f.read()
         named = ()
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-            named = tuple(str(t.get("name")) for t in template if isinstance(t, dict))
+            named = tuple(t["name"] for t in template if isinstance(t, dict) and isinstance(t.get("name"), str))
             template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
                             None)
         try:
@@ -106,6 +106,11 @@ class Tokenizer:
             except ValueError:
                 pass
         return piece.replace("\u2581", " ").encode("utf-8")
+
+    def text_bytes(self, token_id: int) -> bytes:
+        """The bytes a token adds to decoded text: its own, or none for a special token (decode
+        with skip_special_tokens leaves those out)."""
+        return b"" if token_id in self.special_ids else self.token_bytes(token_id)
 
     @functools.cached_property
     def special_ids(self) -> frozenset[int]:

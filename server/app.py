@@ -685,9 +685,7 @@ def _completion_logprobs(state: ServerState, token_ids, logprobs, offsets: _Text
         top = {_token_key(state, i): v for i, v in lp.top}
         top.setdefault(_token_key(state, t), lp.logprob)
         tops.append(top)
-        # a special token is left out of the text (skip_special_tokens), so it takes no characters there
-        text_offset.append(offsets.next(s.encode() if not state.tokenizer else b"" if t in state.tokenizer.special_ids
-                                        else state.tokenizer.token_bytes(t)))
+        text_offset.append(offsets.next(state.tokenizer.text_bytes(t) if state.tokenizer else s.encode()))
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": text_offset}
 
 

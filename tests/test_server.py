@@ -16,6 +16,7 @@ import pytest
 
 from engine.spec.config import SpecConfig
 from engine.step_io import TokenLogprobs
+from engine.tokenizer import Tokenizer
 from server.app import BackgroundServer, ServerState, _completion_logprobs, _TextOffsets
 from server.llm import LLM
 from server.metrics import parse_metrics
@@ -168,6 +169,7 @@ def test_text_offset_counts_a_character_split_over_tokens_once():
     class Tok:  # 🔥 split over two tokens, then "a"; 4 a special token (not in the text)
         pieces = {1: b"\xf0\x9f", 2: b"\x94\xa5", 3: b"a", 4: b"<|im_start|>"}
         special_ids = frozenset({4})
+        text_bytes = Tokenizer.text_bytes  # the real rule, over these pieces
 
         def token_bytes(self, t):
             return self.pieces[t]

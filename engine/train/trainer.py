@@ -769,7 +769,7 @@ def read_head(path: str, loaded):
         raise DataError(f"--init {path}: {e}") from e
     if shares_target_rotary(shape, loaded.config):  # rotated as serving rotates it: the target's rotary
         shape = replace(shape, rope_scaling=loaded.config.rope_scaling,
-                                    max_position_embeddings=loaded.config.max_position_embeddings)
+                        max_position_embeddings=loaded.config.max_position_embeddings)
     w = {k.removeprefix("model."): v for k, v in raw.items() if not k.endswith("embed_tokens.weight")}
     return {k: (v if k == "d2t" else v.float()) for k, v in w.items()}, "fc.bias" in w, shape
 
