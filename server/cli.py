@@ -112,23 +112,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_ENV_ERRORS: list[str] = []  # EAGLE_SERVE_* values that did not parse (serve refuses to start on them)
+_ENV_ERRORS: dict[str, str] = {}  # dest -> why its EAGLE_SERVE_* value did not parse
+_BAD_ENV = object()  # the default of a flag whose variable did not parse: an error unless the flag is given
 
 
 def _env_defaults(parser: argparse.ArgumentParser) -> None:
-    """EAGLE_SERVE_<FLAG> environment variables as defaults (flags on the command line win)."""
+    """EAGLE_SERVE_<FLAG> environment variables as defaults (flags on the command line win). A
+    value that does not parse fails `serve` only when its flag is not on the command line: a
+    Kubernetes Service named eagle-serve injects EAGLE_SERVE_PORT=tcp://IP:PORT into every pod
+    of its namespace (service links), which is not a port, while the chart passes --port."""
     import os
     for action in parser._actions:
         if not action.option_strings or action.dest == "help":
             continue
-        value = os.environ.get("EAGLE_SERVE_" + action.dest.upper())
+        name = "EAGLE_SERVE_" + action.dest.upper()
+        value = os.environ.get(name)
         if value is None:
             continue
-        name = "EAGLE_SERVE_" + action.dest.upper()
         if isinstance(action, argparse._StoreTrueAction):
             flag = value.strip().lower()
             if flag not in ("1", "true", "yes", "on", "0", "false", "no", "off", ""):
-                _ENV_ERRORS.append(f"{name}={value!r}: expected 1/0, true/false, yes/no or on/off")
+                _bad_env(action, f"{name}={value!r}: expected 1/0, true/false, yes/no or on/off")
                 continue
             action.default = flag in ("1", "true", "yes", "on")
         else:
@@ -137,11 +141,19 @@ def _env_defaults(parser: argparse.ArgumentParser) -> None:
             except (ValueError, TypeError, argparse.ArgumentTypeError) as e:
                 # reported when `serve` runs, not while every subcommand's parser is built (a bad
                 # value broke --help and the other subcommands with a traceback)
-                _ENV_ERRORS.append(f"{name}={value!r}: {e}")
+                why = f"{name}={value!r}: {e}"
+                if value.startswith("tcp://"):
+                    why += (" (a Kubernetes service link: a Service named eagle-serve sets it; pass the flag, "
+                            "or set enableServiceLinks: false in the pod spec, as the chart does)")
+                _bad_env(action, why)
                 continue
             if action.choices is not None and action.default not in action.choices:
-                _ENV_ERRORS.append(f"{name}={value!r}: choose from {', '.join(map(str, action.choices))}")
-                action.default = None
+                _bad_env(action, f"{name}={value!r}: choose from {', '.join(map(str, action.choices))}")
+
+
+def _bad_env(action: argparse.Action, why: str) -> None:
+    action.default = _BAD_ENV
+    _ENV_ERRORS[action.dest] = why
 
 
 def _port(value: str) -> int:
@@ -343,8 +355,9 @@ def spec_summary(method: str, stats) -> dict:
 def main(argv: list[str] | None = None) -> int:
     _ENV_ERRORS.clear()
     args = build_parser().parse_args(argv)
-    if args.command == "serve" and _ENV_ERRORS:
-        print("eagle-serve: error: " + "; ".join(_ENV_ERRORS), file=sys.stderr)
+    bad = [why for dest, why in _ENV_ERRORS.items() if getattr(args, dest, None) is _BAD_ENV]
+    if args.command == "serve" and bad:
+        print("eagle-serve: error: " + "; ".join(bad), file=sys.stderr)
         return 2
     try:
         if args.command == "generate":

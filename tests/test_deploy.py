@@ -270,7 +270,14 @@ def _check_deployment(deploy: dict) -> dict:
     assert all(m["readOnly"] for m in models)
     # the container args are flags `eagle-serve serve` accepts (the image's ENTRYPOINT is `eagle-serve serve`)
     assert "command" not in c
-    return build_parser().parse_args(["serve", *c["args"]])
+    args = build_parser().parse_args(["serve", *c["args"]])
+    # no service-link variables: a Service named eagle-serve would inject EAGLE_SERVE_PORT=tcp://IP:PORT
+    assert pod["enableServiceLinks"] is False
+    # the grace period covers the preStop pause, serve's shutdown deadline and uvicorn's second after it
+    pause = c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", ["sleep", "0"])
+    assert pause[0] == "sleep"
+    assert pod["terminationGracePeriodSeconds"] >= float(pause[1]) + args.shutdown_timeout + 1
+    return args
 
 
 def test_chart_lint():
@@ -302,6 +309,32 @@ def test_chart_renders_default_values():
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert json.loads(cm["data"]["eagle-serve.json"]) == _load_dashboard()
     assert "No API key" in notes and "port-forward" in notes
+
+
+def test_chart_named_like_the_variables_prefix():
+    """`helm install eagle-serve` (the documented name) makes a Service eagle-serve, whose service
+    links would set EAGLE_SERVE_PORT=tcp://IP:8000 in the pod: the chart turns them off."""
+    docs, _ = _render(name="eagle-serve")
+    kinds = _by_kind(docs)
+    (svc,) = kinds["Service"]
+    assert svc["metadata"]["name"] == "eagle-serve"
+    (deploy,) = kinds["Deployment"]
+    _check_deployment(deploy)
+    c = _container(deploy)
+    assert c["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "5"]
+    assert "lifecycle" not in _container(_by_kind(_render({"preStopSleepSeconds": 0})[0])["Deployment"][0])
+
+
+def test_chart_rolls_pods_when_its_api_key_changes():
+    def annotations(values):
+        (deploy,) = _by_kind(_render(values)[0])["Deployment"]
+        return deploy["spec"]["template"]["metadata"].get("annotations", {})
+    a, b = annotations({"apiKey": {"value": "one"}}), annotations({"apiKey": {"value": "two"}})
+    assert a["checksum/api-key"] != b["checksum/api-key"]
+    assert a == annotations({"apiKey": {"value": "one"}})
+    # a Secret the chart does not make is not its to watch; pod annotations stay as given
+    assert annotations({"apiKey": {"existingSecret": "keys"}}) == {}
+    assert annotations({"apiKey": {"value": "one"}, "podAnnotations": {"x/y": "z"}})["x/y"] == "z"
 
 
 @pytest.mark.parametrize("spec", ["ngram", "none"])
@@ -533,7 +566,15 @@ def test_dockerfile_structure(dockerfile):
             r = subprocess.run(["bash", "-n", "-c", arg], capture_output=True, text=True, timeout=30)
             assert r.returncode == 0, f"RUN {arg}: {r.stderr}"
             words = shlex.split(arg)
-            snippets += [words[i + 1] for i, w in enumerate(words[:-1]) if w == "-c" and i and "python" in words[i - 1]]
+            snippets += [words[i + 1] for i, w in enumerate(words[:-1])
+                         if w == "-c" and i and "python" in " ".join(words[max(0, i - 2):i])]
+    # a build check that imports the project imports the installed copy, not the source in the WORKDIR
+    # (python -c puts the current folder first on sys.path; -P leaves it out)
+    for ins, arg in _instructions(dockerfile):
+        words = shlex.split(arg) if ins == "RUN" else []
+        for i, w in enumerate(words[:-1]):
+            if w == "-c" and re.search(r"\b(engine|server|scheduler)\.", words[i + 1]):
+                assert words[i - 2:i] == ["python", "-P"], arg
     cmd = json.loads(health[health.index("CMD") + 3:])
     snippets.append(cmd[cmd.index("-c") + 1])
     for code in snippets:

@@ -207,6 +207,20 @@ def test_cli_refuses_what_it_would_fail_on_later(capsys, monkeypatch, tmp_path, 
     assert main(["serve"]) == 2
     err = capsys.readouterr().err
     assert "EAGLE_SERVE_PORT='abc'" in err and "EAGLE_SERVE_FIXED_TREE='maybe'" in err
+    # ... unless its flag is on the command line (the flag wins): a Kubernetes Service named
+    # eagle-serve injects EAGLE_SERVE_PORT=tcp://IP:PORT into its namespace's pods (service links),
+    # and a pod started with --port crash-looped on it
+    monkeypatch.delenv("EAGLE_SERVE_FIXED_TREE")
+    monkeypatch.setenv("EAGLE_SERVE_PORT", "tcp://10.96.0.12:8000")
+    assert main(["serve", *model, "--port", "8000", "--api-key="]) == 2  # got past the variables
+    assert "--api-key is empty" in capsys.readouterr().err
+    assert main(["serve", *model, "--api-key="]) == 2
+    err = capsys.readouterr().err
+    assert "EAGLE_SERVE_PORT='tcp://10.96.0.12:8000'" in err and "service link" in err
+    monkeypatch.setenv("EAGLE_SERVE_SPEC", "nope")  # a choice outside the flag's choices, likewise
+    assert main(["serve", *model, "--port", "8000", "--spec", "none", "--api-key="]) == 2
+    assert "--api-key is empty" in capsys.readouterr().err
+    monkeypatch.delenv("EAGLE_SERVE_SPEC")
     assert main(["generate", "--model", "/no/such/dir", "--prompt", "x"]) == 2  # other commands unaffected
     assert "/no/such/dir" in capsys.readouterr().err
 
