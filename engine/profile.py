@@ -146,7 +146,9 @@ def extend(new: dict, old: dict) -> dict:
     out = dict(new)
     for key in ("verify", "draft", "draft_first"):
         pts, prev = list(new[key]), dict(old.get(key, []))
-        if pts and pts[-1][0] in prev and prev[pts[-1][0]] > 0:
+        if not pts:  # nothing of this kind fitted: old's curve as it was (an empty draft curve read as free drafting)
+            pts = sorted(prev.items())
+        elif pts[-1][0] in prev and prev[pts[-1][0]] > 0:
             last, scale = pts[-1][0], pts[-1][1] / prev[pts[-1][0]]
             pts += [(x, y * scale) for x, y in sorted(prev.items()) if x > last]
         out[key] = non_decreasing(pts) if key == "verify" else pts
@@ -166,11 +168,15 @@ class ProfileRun:
     given then: the idle-time profile runs a point per idle turn of the serving loop, so a
     request that arrives meanwhile waits for one point (at most a few hundred ms on the default
     model) instead of the whole profile (4.3 s: bench/results/profile_contention.json), and the
-    blocks go back between points. A point that does not fit in its blocks ends its grid there."""
+    blocks go back between points. A point that does not fit in its blocks ends its grid there.
+    full_context: a verify point that does not fit with the whole `context` of keys does not fit
+    (the idle-time profile: its points join a curve measured at that context); otherwise the
+    context shrinks to what the blocks hold (a small KV cache's start-up profile)."""
 
     def __init__(self, runner, max_tokens: int, max_seqs: int, context: int | None = None, repeats: int = 2,
-                 small_repeats: int = 15, meter: CpuShare | None = None):
+                 small_repeats: int = 15, meter: CpuShare | None = None, full_context: bool = False):
         context = PROFILE_CONTEXT if context is None else context
+        self.full_context = full_context
         self.runner, self.context, self.repeats, self.small_repeats = runner, context, repeats, small_repeats
         self.meter = meter if meter is not None else CpuShare()
         # one sequence's trees (up to SMALL_TOKENS) differ by ~0.25 ms a token on the default
@@ -244,7 +250,7 @@ class ProfileRun:
         per_seq = 8 if T >= 8 else T
         B = -(-T // per_seq)
         ctx = min(self.context, (len(ids_of) // B) * bs - per_seq)
-        if ctx < 1:
+        if ctx < 1 or (self.full_context and ctx < self.context):
             return None
         blocks_per = -(-(ctx + per_seq) // bs)
         spans, left = [], T

@@ -348,6 +348,8 @@ class TreeBudget:
         self.last_choice: list[int] = []
         self.last_depths: list[int | None] = []
         self.last_modelled: tuple[float, float] = (0.0, 0.0)  # (chosen, plain) tokens per second
+        if guard_min and guard_probe < 1:  # (the probes are what can lift a verdict of 'slower')
+            raise ValueError(f"guard_probe must be >= 1 while the guard is on (guard_min {guard_min}), got {guard_probe}")
         self.guard_min, self.guard_probe, self.guard_ema = guard_min, guard_probe, guard_ema
         self.guard_z = guard_z
         self.spec_with_prefill = spec_with_prefill
@@ -508,6 +510,11 @@ class TreeBudget:
             if verdict is not None:
                 return verdict, True
         return False, True
+
+    def skip_round(self) -> None:
+        """The round that the last choice was made for is not observed (a sequence failed in it):
+        its choice must not be charged to a later round that makes none (a prefill's)."""
+        self._pending = None
 
     def _probe_every(self, n: int) -> int:
         """Rounds between the guard's speculating probes at batch size n: guard_probe, or

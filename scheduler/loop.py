@@ -230,6 +230,8 @@ class EngineLoop:
             pairs = getattr(self.executor, "catchup_pairs", 0) - self._catchup_pairs_start
             budget.observe_round(forward_tokens, levels, seconds, committed=sum(len(r.token_ids) for r in ok),
                                  catchup=max(catchup, 0.0), prefill=prefill, catchup_pairs=max(pairs, 0))
+        elif hasattr(budget, "skip_round"):
+            budget.skip_round()
         self._round_start = None
         return outputs
 

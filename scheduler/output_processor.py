@@ -1,7 +1,8 @@
 """Detokenization, stop strings and per-request outputs (torch-free)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from engine.step_io import TokenLogprobs
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -26,6 +27,10 @@ class RequestOutput:
     finish_time: float | None
     spec: SpecStats
     error: str | None = None
+    # when the engine loop made it, right after its step (perf_counter, as the other times): the
+    # server's inter-token latency reads it, not when a stream's reader got to it (a slow reader
+    # pulls queued outputs in a burst)
+    output_time: float = field(default_factory=time.perf_counter)
 
 
 class SeqTextState:

@@ -73,11 +73,14 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled = self._schedule_running(budget)
         budget -= sum(s.num_scheduled for s in scheduled)
-        inflight = {h for s in scheduled if s.num_uncomputed > 1 for h in self._new_hashes(s)}
+        caching = self.allocator.enable_prefix_caching
+        inflight = {h for s in scheduled if s.num_uncomputed > 1 for h in self._new_hashes(s)} if caching else set()
         while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             looked_up = 0
-            if seq.table.num_committed == 0 and not seq.table.blocks:
+            # (without prefix caching there is nothing to look up, nor to wait for: sequences
+            # sharing a first block were admitted one a step, and every lookup counted a miss)
+            if caching and seq.table.num_committed == 0 and not seq.table.blocks:
                 hashes = seq.block_hashes(self.allocator.block_size, seq.num_tokens - 1)
                 nxt = next((i for i, h in enumerate(hashes) if not self.allocator.cached(h)), len(hashes))  # the leading run
                 if nxt < len(hashes) and hashes[nxt] in inflight and scheduled:
@@ -103,7 +106,8 @@ class Scheduler:
             seq.num_scheduled, seq.tree_tokens, seq.tree_depth, seq.restart = n, None, None, True
             self.running.append(seq)
             scheduled.append(seq)
-            inflight.update(self._new_hashes(seq))
+            if caching:
+                inflight.update(self._new_hashes(seq))
             budget -= n
         self._choose_trees(scheduled)
         self._release_unused_scratch(scheduled)

@@ -395,7 +395,7 @@ class _Tracker:
         self.count: dict[int, int] = {}
 
     def see(self, out) -> None:
-        now = time.perf_counter()
+        now = out.output_time
         n_new = len(out.token_ids) - self.count.get(out.seq_id, 0)
         if n_new > 0:
             if out.seq_id not in self.last and out.first_token_time is not None:

@@ -109,7 +109,7 @@ class LLM:
         if self._idle_run is None:
             c = self.engine_config
             self._reprofile_at = None
-            self._idle_run = ProfileRun(self.runner, c.max_num_batched_tokens, c.max_num_seqs)
+            self._idle_run = ProfileRun(self.runner, c.max_num_batched_tokens, c.max_num_seqs, full_context=True)
         run = self._idle_run
         table = self.allocator.take_uncached()
         try:
@@ -122,8 +122,12 @@ class LLM:
         if not done:
             return
         self._idle_run = None
-        old = self.cost_profile
-        prof = self._record(run.result())
+        old, prof = self.cost_profile, run.result()
+        if not (prof["verify"] or prof["draft"]):  # the prefix cache held nearly every block: nothing fitted
+            self._reprofile_at = None
+            log.info("tree budget cost profile not retaken: too few KV blocks free of cached prefixes")
+            return
+        prof = self._record(prof)
         if not prof["contended"]:  # its grids may stop early (fewer blocks): old's points carry on
             self.cost_profile = extend(prof, old)
             self.budget.set_costs(self._costs(self.cost_profile))

@@ -9,6 +9,9 @@ from prometheus_client.core import CounterMetricFamily
 COUNT_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0,
                    40.0, 80.0)
+# a request's whole time and its time to first token (queueing included) run to minutes: a chat
+# without max_tokens may generate up to the context, and under load waits behind others
+LONG_LATENCY_BUCKETS = LATENCY_BUCKETS + (120.0, 240.0, 480.0, 960.0, 1920.0, 3600.0)
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 FINISH_REASONS = ("stop", "length", "abort", "error")
 MAX_DEPTH_LABELS = 16
@@ -56,10 +59,12 @@ class Metrics:
                                            buckets=COUNT_BUCKETS, registry=r)
         self.tree_tokens = Histogram(p + "spec_tree_tokens", "Tokens verified per sequence per round (root included)",
                                      buckets=COUNT_BUCKETS, registry=r)
-        self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to first token", buckets=LONG_LATENCY_BUCKETS,
+                              registry=r)
         self.itl = Histogram(p + "inter_token_latency_seconds", "Time between output tokens", buckets=LATENCY_BUCKETS,
                              registry=r)
-        self.latency = Histogram(p + "request_latency_seconds", "Arrival to finish", buckets=LATENCY_BUCKETS, registry=r)
+        self.latency = Histogram(p + "request_latency_seconds", "Arrival to finish", buckets=LONG_LATENCY_BUCKETS,
+                                 registry=r)
         self.requests = Counter(p + "requests", "Finished requests, by finish reason (each of n choices counts as "
                                 "one)", ["finish_reason"], registry=r)
         if totals is not None:

@@ -132,6 +132,69 @@ def test_prefix_cache_counters_count_admissions_not_attempts(tiny_llama):
     assert alloc.prefix_hit_tokens == sum(h for _, h in admissions) <= alloc.prefix_queried_tokens
 
 
+@pytest.mark.parametrize("caching", [False, True])
+def test_without_prefix_caching_shared_first_blocks_are_admitted_together(tiny_llama, caching):
+    """Admission waits for a block another sequence is computing only to take it from the cache
+    next step. Without prefix caching that wait admitted the n choices of one prompt (or chats
+    sharing a system prompt) one a step, and every lookup counted as a miss."""
+    llm = LLM(tiny_llama[0], **KW, kv_cache_tokens=2048, enable_prefix_caching=caching)
+    loop, prompt = llm.loop, list(range(10, 42))  # 32 tokens: one prefill chunk
+    seqs = [loop.add_request(prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)) for _ in range(4)]
+    fed = []
+    while loop.has_unfinished:
+        planned, steps = loop.plan()
+        fed.append([len(s.token_ids) for s in steps])
+        loop.complete(planned, loop.execute(planned, steps))
+    if caching:  # the first computes the blocks, the others take them from the cache
+        assert fed[:2] == [[32], [1, 4, 4, 4]]
+        assert llm.allocator.prefix_hit_tokens > 0
+    else:
+        assert fed[0] == [32] * 4
+        assert llm.allocator.prefix_queried_tokens == llm.allocator.prefix_hit_tokens == 0
+    assert all(len(s.output_token_ids) == 4 for s in seqs)
+
+
+def test_a_failed_rounds_choice_is_not_charged_to_the_next_round():
+    """A round in which a sequence fails is not observed; its choice stayed pending and the next
+    round that chose nothing (a prompt's prefill alone) was recorded as a decode round of its kind."""
+    costs = CostModel([(1, .010), (4, .011), (8, .013), (16, .017), (64, .040)], [(1, .004), (2, .005), (4, .006)],
+                      [(1, .001), (2, .0012), (4, .0015)], depth=4)
+    b = TreeBudget(costs, 8, max_depth=4, explore_every=0, model_probe_every=0)
+    b.choose([()], [5])
+    assert b._pending is not None
+    b.skip_round()  # what the loop now does for a round it does not observe
+    b.observe_round(40, [], 0.050, committed=1, prefill=True)
+    assert b.measured == {}
+    with pytest.raises(ValueError, match="guard_probe"):  # it was a ZeroDivisionError once the guard held
+        TreeBudget(costs, 8, guard_min=1, guard_probe=0)
+    TreeBudget(costs, 8, guard_min=0, guard_probe=0)  # no guard: nothing to probe
+
+
+def test_the_loop_drops_the_budgets_choice_for_a_failed_round(tiny_llama):
+    llm = LLM(tiny_llama[0], **KW, kv_cache_tokens=1024)
+    skipped = []
+
+    class Budget:  # the loop's side of the contract only
+        def observe_round(self, *a, **k):
+            pass
+
+        def skip_round(self):
+            skipped.append(True)
+    loop = llm.loop
+    loop.scheduler.budget = Budget()
+    poison = 297
+
+    def hook(steps):
+        if any(poison in s.history for s in steps):
+            raise RuntimeError("injected fault")
+    llm.runner.fault_hook = hook
+    loop.add_request([5, 6, poison], SamplingParams(max_tokens=2, temperature=0))
+    while loop.has_unfinished:
+        seqs, steps = loop.plan()
+        loop.complete(seqs, loop.execute(seqs, steps))
+    assert skipped
+
+
 def test_small_cache_completes_through_preemption(tiny_llama, head_dir):
     reqs = workload(8, seed=1)
     ref = one_at_a_time(LLM(tiny_llama[0], **KW, kv_cache_tokens=4096), reqs)
@@ -1317,6 +1380,43 @@ def test_idle_profile_over_fewer_blocks_keeps_the_old_curve_beyond_its_grid():
     assert out["verify"] == [(1, 0.01), (4, 0.0125), (16, 0.025), (64, 0.075)]  # old x new(4) / old(4)
     assert out["draft"] == [(1, 0.001), (8, 0.005)] and out["draft_first"] == new["draft_first"]
     assert out["depth"] == 3 and out["contended"] is False
+
+
+def test_idle_profile_that_fits_nothing_keeps_the_old_curves(tiny_llama, head_dir, monkeypatch):
+    """Once the prefix cache holds nearly every block, the idle-time profile fits no draft point
+    and only verify points at a shortened context. Its empty draft curves replaced the old ones
+    (drafting then cost nothing to the budget) and its verify points were measured over fewer
+    keys than the curve they joined. Now a kind without points keeps its old curve, and verify
+    points need the profile's whole context."""
+    from engine.profile import extend
+    old = {"verify": [(1, 0.04), (4, 0.05)], "draft": [(1, 0.004)], "draft_first": [(1, 0.002)], "depth": 3}
+    out = extend({"verify": [(1, 0.01)], "draft": [], "draft_first": [], "depth": 3, "contended": False}, old)
+    assert out["draft"] == old["draft"] and out["draft_first"] == old["draft_first"]
+    assert out["verify"] == [(1, 0.01), (4, 0.0125)]
+    import engine.profile as prof_mod
+    monkeypatch.setattr(prof_mod, "MIN_CPU_SHARE", 2.0)  # the start-up profile is contended
+    monkeypatch.setattr(prof_mod, "RETRY_WAIT", 0.0)
+    monkeypatch.setattr(LLM, "REPROFILE_AFTER", 0.0)
+    llm = LLM(tiny_llama[0], dtype="float64", device="cpu", block_size=16, kv_cache_tokens=2048, draft=head_dir,
+              spec=SpecConfig("eagle2", total_tokens=8, depth=4, top_k=3), max_num_seqs=4, max_num_batched_tokens=64)
+    draft, first = llm.budget.costs.draft_points, llm.budget.costs.first_points
+    assert draft and first
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 300) for _ in range(64)] for _ in range(40)]  # distinct: they fill the cache
+    monkeypatch.setattr(LLM, "MAX_PROFILES", 1)  # no idle profile while these run
+    llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    free = llm.allocator.take_uncached()
+    few = len(free.blocks)
+    llm.allocator.free(free)
+    assert few < 8  # the rest cache prefixes
+    monkeypatch.setattr(prof_mod, "MIN_CPU_SHARE", 0.0)  # the machine is free again
+    monkeypatch.setattr(LLM, "MAX_PROFILES", 10)
+    llm._reprofile_at = 0.0
+    llm._finish_idle()
+    costs = llm.budget.costs
+    assert costs.draft_points == draft and costs.first_points == first
+    assert costs.draft(4, 4) > 0
+    assert llm.allocator.num_free_blocks == llm.allocator.num_blocks
 
 
 def test_idle_profile_runs_a_point_at_a_time_and_requests_run_between_points(tiny_llama, head_dir, monkeypatch):

@@ -528,3 +528,39 @@ def test_serve_draft_resolution(tmp_path):
     assert resolve_draft(p.parse_args(["serve", "--spec", "ngram"])) is None
     with pytest.raises(ValueError):
         resolve_draft(p.parse_args(["serve", "--model", str(tmp_path), "--draft", "default"]))
+
+
+def test_request_latency_histograms_reach_past_a_minute():
+    """A request ran longer than the latency histogram's top bucket (80 s, the inter-token
+    scale) read as 80 s in every quantile above it."""
+    from prometheus_client import generate_latest
+    from server.metrics import Metrics
+    m = Metrics(lambda: 0, lambda: 0, lambda: 0.0, max_depth=1)
+    m.latency.observe(300.0)
+    m.ttft.observe(150.0)
+    text = generate_latest(m.registry).decode()
+    assert 'eagle_serve_request_latency_seconds_bucket{le="240.0"} 0.0' in text
+    assert 'eagle_serve_request_latency_seconds_bucket{le="480.0"} 1.0' in text
+    assert 'eagle_serve_time_to_first_token_seconds_bucket{le="240.0"} 1.0' in text
+
+
+def test_inter_token_latency_is_the_engines_not_the_readers():
+    """A stream whose reader falls behind pulls queued outputs in a burst: timed when read, the
+    gaps were ~0 for the burst and one long one; they are the engine's, as its outputs say."""
+    import dataclasses
+    import time as time_mod
+    from server.app import _Tracker
+    from server.metrics import Metrics
+    from scheduler.output_processor import RequestOutput
+    from scheduler.sequence import SpecStats
+    m = Metrics(lambda: 0, lambda: 0, lambda: 0.0, max_depth=1)
+    tracker = _Tracker(type("State", (), {"metrics": m})())
+    base = RequestOutput(seq_id=7, prompt_token_ids=[1], token_ids=[], text="", text_delta="", finished=False,
+                         finish_reason=None, stop_reason=None, logprobs=None, arrival_time=0.0, first_token_time=0.5,
+                         finish_time=None, spec=SpecStats(0, 0, 0, []))
+    made = [dataclasses.replace(base, token_ids=list(range(k + 1)), output_time=0.5 + 0.03 * k) for k in range(5)]
+    time_mod.sleep(0.2)  # the reader comes late and reads them all at once
+    for out in made:
+        tracker.see(out)
+    assert m.itl._sum.get() == pytest.approx(4 * 0.03)
+    assert m.ttft._sum.get() == pytest.approx(0.5)
