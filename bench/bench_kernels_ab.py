@@ -96,8 +96,8 @@ def linear_part(mods: dict, rows: list[int], reps: int) -> dict:
             assert ref is None or torch.equal(y, ref), "the two builds disagree"
             ref = y
         times = {name: [] for name in mods}
-        for _ in range(reps):
-            for name, m in mods.items():
+        for rep in range(reps):  # the order alternates: the second build of a pass read ~8% faster
+            for name, m in (list(mods.items()) if rep % 2 == 0 else list(mods.items())[::-1]):
                 ws = packed[name]
                 t0 = time.perf_counter()
                 for i, w in enumerate(ws):

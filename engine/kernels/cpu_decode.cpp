@@ -21,6 +21,8 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
                               torch::Tensor kv_lens, torch::Tensor q_seq, torch::Tensor q_row, torch::Tensor mask,
                               double scale);
 torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor weight, double eps);
+extern const int64_t STREAM_NTA_BYTES;
+extern bool stream_nta;
 
 namespace {
 
@@ -91,13 +93,22 @@ struct DecodeStack {
       : in_norm(in_norm), qkv(qkv), qkv_bias(qkv_bias), o(o), o_bias(o_bias), post_norm(post_norm),
         gate_up(gate_up), down(down), final_norm(final_norm), heads(heads), kv_heads(kv_heads),
         head_dim(head_dim), inter(down[0].dim() == 3 ? down[0].size(1) * 2 : down[0].size(1)), eps(eps),
-        scale(scale) {}
+        scale(scale) {
+    for (const auto* ws : {&qkv, &o, &gate_up, &down})
+      for (const auto& w : *ws) weight_bytes += w.numel() * w.element_size();
+  }
+  int64_t weight_bytes = 0;  // its linears' weights: past STREAM_NTA_BYTES they stream non-temporally
 
   // h: [T, hidden] embeddings; kv: [layers, 2, S, Hkv, D]; cos/sin: [T, D] float32.
   torch::Tensor forward(torch::Tensor h, torch::Tensor kv, torch::Tensor slot_mapping, torch::Tensor kv_gather,
                         torch::Tensor kv_lens, torch::Tensor q_seq, torch::Tensor q_row, torch::Tensor mask,
                         torch::Tensor cos, torch::Tensor sin) {
     const int64_t T = h.size(0), D = head_dim, q_size = heads * D, kv_size = kv_heads * D;
+    struct Streaming {  // the linears below see stream_nta; the previous value comes back however forward ends
+      bool before = stream_nta;
+      explicit Streaming(bool on) { stream_nta = on; }
+      ~Streaming() { stream_nta = before; }
+    } streaming(weight_bytes > STREAM_NTA_BYTES);
     torch::Tensor residual = h.clone();
     torch::Tensor delta = torch::zeros_like(h);
     torch::Tensor act = torch::empty({T, inter}, h.options());

@@ -76,15 +76,31 @@ constexpr int PACKED_TILE_M = 8;
 // took 8 / 11 / 16 / 19% less time, one row 6%. Prefetches past the end do not fault.
 constexpr int64_t PREFETCH_PAIRS = 64;
 
-template <int MB>
+}  // namespace
+
+// Weights streamed once per step that cannot stay cached anyway (a model's whole layer stack, a
+// 49k-token LM head) are prefetched non-temporally, so they do not evict what can: the draft
+// head's weights, the KV cache, the interpreter's own state. A stream counts as such when its
+// weights exceed STREAM_NTA_BYTES: one linear's (packed_linear), or a whole DecodeStack's, which
+// sets stream_nta for its forward. Against the previous build, side by side (bench/bench_kernels_ab.py
+// --skip-linear --prompts 12, bench/results/kernels_ab_nta.json): greedy decoding 1.05x plain, 1.03x
+// with 3-token trees, 1.08x with 4-token trees 2 deep; the same run with both builds equal read
+// 1.005 / 1.009 / 0.997 (kernels_ab_nta_aa.json). Not isolated from the code layout these
+// templates change (the per-layer linears alone, temporal in both builds, read 5-10% faster).
+extern const int64_t STREAM_NTA_BYTES = int64_t(16) << 20;
+bool stream_nta = false;
+
+namespace {
+
+template <int MB, bool NTA>
 __attribute__((always_inline)) inline void packed_tile(const uint16_t* x, int64_t K, const uint16_t* wt, float* out) {
   __m512 a0[MB], a1[MB];
 #pragma GCC unroll 8
   for (int j = 0; j < MB; ++j) a0[j] = a1[j] = _mm512_setzero_ps();
   const int64_t K2 = K / 2;
   for (int64_t kp = 0; kp < K2; ++kp) {
-    _mm_prefetch(reinterpret_cast<const char*>(wt + (kp + PREFETCH_PAIRS) * 64), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wt + (kp + PREFETCH_PAIRS) * 64 + 32), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wt + (kp + PREFETCH_PAIRS) * 64), NTA ? _MM_HINT_NTA : _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wt + (kp + PREFETCH_PAIRS) * 64 + 32), NTA ? _MM_HINT_NTA : _MM_HINT_T0);
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wt + kp * 64);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wt + kp * 64 + 32);
 #pragma GCC unroll 8
@@ -103,16 +119,17 @@ __attribute__((always_inline)) inline void packed_tile(const uint16_t* x, int64_
   }
 }
 
+template <bool NTA>
 inline void packed_rows(int mb, const uint16_t* x, int64_t K, const uint16_t* wt, float* out) {
   switch (mb) {
-    case 1: packed_tile<1>(x, K, wt, out); break;
-    case 2: packed_tile<2>(x, K, wt, out); break;
-    case 3: packed_tile<3>(x, K, wt, out); break;
-    case 4: packed_tile<4>(x, K, wt, out); break;
-    case 5: packed_tile<5>(x, K, wt, out); break;
-    case 6: packed_tile<6>(x, K, wt, out); break;
-    case 7: packed_tile<7>(x, K, wt, out); break;
-    default: packed_tile<8>(x, K, wt, out); break;
+    case 1: packed_tile<1, NTA>(x, K, wt, out); break;
+    case 2: packed_tile<2, NTA>(x, K, wt, out); break;
+    case 3: packed_tile<3, NTA>(x, K, wt, out); break;
+    case 4: packed_tile<4, NTA>(x, K, wt, out); break;
+    case 5: packed_tile<5, NTA>(x, K, wt, out); break;
+    case 6: packed_tile<6, NTA>(x, K, wt, out); break;
+    case 7: packed_tile<7, NTA>(x, K, wt, out); break;
+    default: packed_tile<8, NTA>(x, K, wt, out); break;
   }
 }
 
@@ -146,12 +163,14 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& wp, con
   auto bp = bias ? reinterpret_cast<const uint16_t*>(bias->data_ptr<at::BFloat16>()) : nullptr;
   float* yf = float_out ? y.data_ptr<float>() : nullptr;
   uint16_t* yh = float_out ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const bool nta = stream_nta || wp.numel() * 2 > STREAM_NTA_BYTES;
   at::parallel_for(0, N / 32, 2, [&](int64_t t0, int64_t t1) {
     float out[PACKED_TILE_M * 32];
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t m = 0; m < M; m += PACKED_TILE_M) {
         const int mb = static_cast<int>(std::min<int64_t>(PACKED_TILE_M, M - m));
-        packed_rows(mb, xp + m * K, K, wpp + t * (K / 2) * 64, out);
+        if (nta) packed_rows<true>(mb, xp + m * K, K, wpp + t * (K / 2) * 64, out);
+        else packed_rows<false>(mb, xp + m * K, K, wpp + t * (K / 2) * 64, out);
         for (int j = 0; j < mb; ++j)
           for (int i = 0; i < 32; ++i) {
             const int64_t n = t * 32 + i;
