@@ -569,12 +569,12 @@ def test_dockerfile_structure(dockerfile):
             snippets += [words[i + 1] for i, w in enumerate(words[:-1])
                          if w == "-c" and i and "python" in " ".join(words[max(0, i - 2):i])]
     # a build check that imports the project imports the installed copy, not the source in the WORKDIR
-    # (python -c puts the current folder first on sys.path; -P leaves it out)
+    # (python -c puts the current folder first on sys.path; -I leaves it out, and works on 3.10)
     for ins, arg in _instructions(dockerfile):
         words = shlex.split(arg) if ins == "RUN" else []
         for i, w in enumerate(words[:-1]):
             if w == "-c" and re.search(r"\b(engine|server|scheduler)\.", words[i + 1]):
-                assert words[i - 2:i] == ["python", "-P"], arg
+                assert words[i - 2:i] == ["python", "-I"], arg
     cmd = json.loads(health[health.index("CMD") + 3:])
     snippets.append(cmd[cmd.index("-c") + 1])
     for code in snippets:

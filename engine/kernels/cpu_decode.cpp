@@ -22,7 +22,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
                               double scale);
 torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor weight, double eps);
 extern const int64_t STREAM_NTA_BYTES;
-extern bool stream_nta;
+extern thread_local bool stream_nta;
 
 namespace {
 

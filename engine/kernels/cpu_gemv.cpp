@@ -83,12 +83,13 @@ constexpr int64_t PREFETCH_PAIRS = 64;
 // head's weights, the KV cache, the interpreter's own state. A stream counts as such when its
 // weights exceed STREAM_NTA_BYTES: one linear's (packed_linear), or a whole DecodeStack's, which
 // sets stream_nta for its forward. Against the previous build, side by side (bench/bench_kernels_ab.py
-// --skip-linear --prompts 12, bench/results/kernels_ab_nta.json): greedy decoding 1.05x plain, 1.03x
+// --rev 5800912 --skip-linear --trees none,3x1x2,4x2x2 --prompts 12, bench/results/kernels_ab_nta.json): greedy decoding 1.05x plain, 1.03x
 // with 3-token trees, 1.08x with 4-token trees 2 deep; the same run with both builds equal read
 // 1.005 / 1.009 / 0.997 (kernels_ab_nta_aa.json). Not isolated from the code layout these
-// templates change (the per-layer linears alone, temporal in both builds, read 5-10% faster).
+// templates change (in a scratch run the per-layer linears alone, temporal in both builds, read
+// 5-12% faster). Measured before the 9-16-row exclusion below (batch 1 only).
 extern const int64_t STREAM_NTA_BYTES = int64_t(16) << 20;
-bool stream_nta = false;
+thread_local bool stream_nta = false;  // read on the calling thread, before parallel_for
 
 namespace {
 
@@ -163,7 +164,9 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& wp, con
   auto bp = bias ? reinterpret_cast<const uint16_t*>(bias->data_ptr<at::BFloat16>()) : nullptr;
   float* yf = float_out ? y.data_ptr<float>() : nullptr;
   uint16_t* yh = float_out ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  const bool nta = stream_nta || wp.numel() * 2 > STREAM_NTA_BYTES;
+  // (only where each tile is read once: past PACKED_TILE_M rows a tile is read again per 8 rows,
+  // and the second read should find it in L2)
+  const bool nta = (stream_nta || wp.numel() * 2 > STREAM_NTA_BYTES) && M <= PACKED_TILE_M;
   at::parallel_for(0, N / 32, 2, [&](int64_t t0, int64_t t1) {
     float out[PACKED_TILE_M * 32];
     for (int64_t t = t0; t < t1; ++t)
