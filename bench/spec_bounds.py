@@ -21,11 +21,11 @@ sys.path.insert(0, HERE)
 import bench_decode as bd  # noqa: E402
 
 
-def bounds(summary: dict, target: float, pooled_tpf: dict | None = None) -> dict:
+def bounds(summary: dict, target: float, pooled_tpf: dict) -> dict:
     """Per method of one prompt set's summary: modelled speedups (ratios of tokens per ms,
     so they use mean round costs, not the medians of per-prompt ratios bench_spec reports).
     Tokens per forward are pooled over all rounds as the round costs are (`pooled_tpf` by
-    method, else the summary's pooled_tok_per_forward); the mean of per-prompt values that
+    method, from the file's rows); the mean of per-prompt values that
     this used before weighs a short prompt's rounds like a long one's (3x1x2's free-draft
     ceiling on MT-bench in eagle_s25.json: 1.39 by it, 1.42 pooled)."""
     none = summary["none"]["ms_per_round"]
@@ -35,7 +35,7 @@ def bounds(summary: dict, target: float, pooled_tpf: dict | None = None) -> dict
         if name == "none" or not row.get("verify_steps"):
             continue
         ms = row["ms_per_round"]
-        tpf = (pooled_tpf or {}).get(name) or row.get("pooled_tok_per_forward")
+        tpf = pooled_tpf.get(name)
         if tpf is None:
             raise SystemExit(f"{name}: no pooled tokens per forward (a bench_spec json with its rows)")
         round_ms = sum(ms.values())
@@ -56,8 +56,8 @@ def bounds(summary: dict, target: float, pooled_tpf: dict | None = None) -> dict
 
 
 def pooled_tok_per_forward(data: dict, set_name: str) -> dict:
-    """{method: new tokens / target forwards over its rows in the set ("all": every set)}, from
-    the rows a bench_spec json keeps (files written before it summarised them pooled)."""
+    """{method: new tokens / target forwards over its rows in the set ("all": every set), from
+    the rows a bench_spec json keeps (also those written before it summarised them pooled)}."""
     sums: dict[str, list[int]] = {}
     for r in data.get("rows", []):
         if "forwards" in r and (set_name == "all" or r.get("set") == set_name):

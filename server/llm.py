@@ -124,7 +124,6 @@ class LLM:
         self._idle_run = None
         old, prof = self.cost_profile, run.result()
         if not (prof["verify"] or prof["draft"]):  # the prefix cache held nearly every block: nothing fitted
-            self._reprofile_at = None
             log.info("tree budget cost profile not retaken: too few KV blocks free of cached prefixes")
             return
         prof = self._record(prof)
