@@ -3,6 +3,10 @@
 `native()` returns the compiled module or None (no AVX-512 / bf16 support, no compiler, or
 EAGLE_SERVE_NATIVE_KERNELS=0); callers then fall back to oneDNN / F.linear. The build is cached
 under the torch extensions folder, so only the first start pays for it (~40 s).
+
+EAGLE_SERVE_NTA_STREAMS=1 / 0 turns the non-temporal streaming of large weights on / off (default:
+on AMD CPUs only, where it measured faster; on an Intel Xeon it cost 45% of plain decoding's
+speed: engine/kernels/cpu_gemv.cpp).
 """
 from __future__ import annotations
 
@@ -42,10 +46,23 @@ def native():
             os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
         here = os.path.dirname(__file__)
         sources = [os.path.join(here, f) for f in ("cpu_gemv.cpp", "cpu_attention.cpp", "cpu_decode.cpp")]
-        return load("eagle_serve_cpu_kernels", sources, extra_cflags=FLAGS, verbose=False)
+        mod = load("eagle_serve_cpu_kernels", sources, extra_cflags=FLAGS, verbose=False)
     except Exception as e:  # no compiler, no ninja, ...: fall back, loudly
         log.warning("native CPU kernels unavailable (%s); using oneDNN / torch", e)
         return None
+    configure(mod)
+    return mod
+
+
+def configure(mod) -> None:
+    """Apply EAGLE_SERVE_NTA_STREAMS to a compiled kernel module (a value other than 0 / 1 is
+    refused: a typo would silently leave the default)."""
+    value = os.environ.get("EAGLE_SERVE_NTA_STREAMS")
+    if value is None or value == "":
+        return
+    if value not in ("0", "1"):
+        raise ValueError(f"EAGLE_SERVE_NTA_STREAMS must be 0 or 1, got {value!r}")
+    mod.set_nta_streams(value == "1")
 
 
 def skinny_linear():

@@ -79,17 +79,23 @@ constexpr int64_t PREFETCH_PAIRS = 64;
 }  // namespace
 
 // Weights streamed once per step that cannot stay cached anyway (a model's whole layer stack, a
-// 49k-token LM head) are prefetched non-temporally, so they do not evict what can: the draft
+// 49k-token LM head) can be prefetched non-temporally, so they do not evict what can: the draft
 // head's weights, the KV cache, the interpreter's own state. A stream counts as such when its
 // weights exceed STREAM_NTA_BYTES: one linear's (packed_linear), or a whole DecodeStack's, which
-// sets stream_nta for its forward. Against the previous build, side by side (bench/bench_kernels_ab.py
-// --rev 5800912 --skip-linear --trees none,3x1x2,4x2x2 --prompts 12, bench/results/kernels_ab_nta.json): greedy decoding 1.05x plain, 1.03x
-// with 3-token trees, 1.08x with 4-token trees 2 deep; the same run with both builds equal read
-// 1.005 / 1.009 / 0.997 (kernels_ab_nta_aa.json). Not isolated from the code layout these
-// templates change (in a scratch run the per-layer linears alone, temporal in both builds, read
-// 5-12% faster). Measured before the 9-16-row exclusion below (batch 1 only).
+// sets stream_nta for its forward. Whether any stream does is nta_streams (set_nta_streams):
+// by default on AMD CPUs only. On an AMD EPYC (Zen 5), against the temporal build side by side
+// (bench/bench_kernels_ab.py --rev 5800912 --skip-linear --trees none,3x1x2,4x2x2 --prompts 12,
+// bench/results/kernels_ab_nta.json): greedy decoding 1.05x, 1.03x with 3-token trees, 1.08x
+// with 4-token trees 2 deep (both builds equal: 1.005 / 1.009 / 0.997, kernels_ab_nta_aa.json).
+// On an Intel Xeon (AMX, 480 MB L3) the same streams cost 45% of plain decoding's speed: the
+// build that streams them against this one, side by side (bench/bench_kernels_ab.py --rev 9886fe9
+// --skip-linear --trees none,3x1x2,4x2x2 --prompts 8, bench/results/kernels_nta_intel.json):
+// 40.9 against 74.0 tok/s plain, 63.1 / 78.0 with 3-token trees, 71.8 / 90.5 with 4-token trees 2
+// deep. Why is not measured (non-temporal lines there presumably skip the L2 and its streamer,
+// and an 8 KB lookahead alone does not hide DRAM latency). Measured at one sequence.
 extern const int64_t STREAM_NTA_BYTES = int64_t(16) << 20;
 thread_local bool stream_nta = false;  // read on the calling thread, before parallel_for
+bool nta_streams = __builtin_cpu_is("amd");  // the process-wide switch (set_nta_streams)
 
 namespace {
 
@@ -166,7 +172,7 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& wp, con
   uint16_t* yh = float_out ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   // (only where each tile is read once: past PACKED_TILE_M rows a tile is read again per 8 rows,
   // and the second read should find it in L2)
-  const bool nta = (stream_nta || wp.numel() * 2 > STREAM_NTA_BYTES) && M <= PACKED_TILE_M;
+  const bool nta = nta_streams && (stream_nta || wp.numel() * 2 > STREAM_NTA_BYTES) && M <= PACKED_TILE_M;
   at::parallel_for(0, N / 32, 2, [&](int64_t t0, int64_t t1) {
     float out[PACKED_TILE_M * 32];
     for (int64_t t = t0; t < t1; ++t)
@@ -237,5 +243,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "attention of few queries over block-table slots");
   m.def("add_rms_norm", &add_rms_norm, "x += delta; return rms_norm(x) * weight");
   m.def("rms_norm_chunks", &rms_norm_chunks, "each of n equal chunks of every row RMS-normalised, no weight");
+  m.def("set_nta_streams", [](bool on) { nta_streams = on; },
+        "stream large weights with non-temporal prefetches (default: on AMD CPUs only)");
+  m.def("nta_streams", []() { return nta_streams; }, "whether large weights stream non-temporally");
   register_decode_stack(m);
 }
