@@ -17,11 +17,12 @@ main thread, decoding on the engine thread ran at half speed, both builds alike)
            tokens/s of each build, and their ratio
 
     .venv/bin/python bench/bench_kernels_ab.py --rev HEAD [--trees none,3x1x2,budget] [--prompts 8] [--batch 16]
-        [--nta default,off]
+        [--nta default,off] [--amx off,on]
 
 --nta REV,WORKTREE sets each build's non-temporal weight streams (on, off, or the build's default:
 on AMD CPUs only; a revision before set_nta_streams has its own fixed behaviour): with --rev HEAD,
-`--nta off,on` measures the streams alone, the same code on both sides.
+`--nta off,on` measures the streams alone, the same code on both sides. --amx REV,WORKTREE likewise
+sets each build's AMX tiles for packed bf16 products (default: where the CPU has them).
 Writes --out (bench/results/kernels_ab.json).
 """
 from __future__ import annotations
@@ -189,6 +190,8 @@ def main() -> None:
                          "chat-rendered ids, in turn (attention's share of a step grows with it)")
     ap.add_argument("--nta", default="default,default",
                     help="REV,WORKTREE: each build's non-temporal weight streams, on / off / default")
+    ap.add_argument("--amx", default="default,default",
+                    help="REV,WORKTREE: each build's AMX tiles for packed bf16 products, on / off / default")
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--skip-linear", action="store_true")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "kernels_ab.json"))
@@ -199,19 +202,21 @@ def main() -> None:
         sys.exit("the native kernels are unavailable on this machine")
     sha, old, tmp = build_rev(args.rev)
     mods = {f"rev-{sha}": old, "worktree": new}
-    nta = args.nta.split(",")
-    if len(nta) != 2 or not set(nta) <= {"on", "off", "default"}:
-        sys.exit(f"--nta {args.nta!r}: two of on / off / default, comma-separated")
-    for (name, m), mode in zip(mods.items(), nta):
-        if mode != "default":
-            if not hasattr(m, "set_nta_streams"):
-                sys.exit(f"--nta: the {name} build has no set_nta_streams")
-            m.set_nta_streams(mode == "on")
+    for flag, setter in (("nta", "set_nta_streams"), ("amx", "set_amx")):
+        modes = getattr(args, flag).split(",")
+        if len(modes) != 2 or not set(modes) <= {"on", "off", "default"}:
+            sys.exit(f"--{flag} {getattr(args, flag)!r}: two of on / off / default, comma-separated")
+        for (name, m), mode in zip(mods.items(), modes):
+            if mode != "default":
+                if not hasattr(m, setter):
+                    sys.exit(f"--{flag}: the {name} build has no {setter}")
+                getattr(m, setter)(mode == "on")
     streams = {name: m.nta_streams() if hasattr(m, "nta_streams") else None for name, m in mods.items()}
-    print("non-temporal streams:", streams, "on", bd.cpu_model(), flush=True)
+    amx = {name: m.amx() if hasattr(m, "amx") else None for name, m in mods.items()}
+    print("non-temporal streams:", streams, "AMX:", amx, "on", bd.cpu_model(), flush=True)
     try:
         result = {"rev": sha, "git_head": bd.git_head(), "source_digest": bd.source_digest(), "args": vars(args),
-                  "cpu": bd.cpu_model(), "nta_streams": streams, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+                  "cpu": bd.cpu_model(), "nta_streams": streams, "amx": amx, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
                   "linear": None if args.skip_linear else
                   on_engine_thread(lambda: linear_part(mods, [int(r) for r in args.rows.split(",")], args.reps))}
         if not args.skip_decode:

@@ -432,3 +432,47 @@ def test_nta_streams_env_is_checked(monkeypatch):
     monkeypatch.setenv("EAGLE_SERVE_NTA_STREAMS", "yes")
     with pytest.raises(ValueError, match="EAGLE_SERVE_NTA_STREAMS must be 0 or 1"):
         kernels.configure(Mod())
+
+
+amx = native is not None and hasattr(native, "amx") and native.amx()
+
+
+@pytest.mark.skipif(not amx, reason="no AMX on this CPU (or OS)")
+@pytest.mark.parametrize("n, k", [(960, 576), (576, 1536), (64, 32), (96, 2880)])
+def test_amx_products_match_reference_and_each_row_stands_alone(n, k):
+    """The AMX path: within bf16 products' error of float64, within float32 rounding of the
+    AVX-512 path, and every row's result the same whatever rows come with it (1..40: several
+    16-row blocks, ragged)."""
+    gen = torch.Generator().manual_seed(n + k)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(torch.bfloat16)
+    b = torch.randn(n, generator=gen).to(torch.bfloat16)
+    wp = native.pack_bf16(w)
+    x = torch.randn(40, k, generator=gen).to(torch.bfloat16)
+    try:
+        native.set_amx(False)
+        avx = native.skinny_linear(x, wp, b, True)
+        native.set_amx(True)
+        full = native.skinny_linear(x, wp, b, True)
+        ref = F.linear(x.double(), w.double(), b.double())
+        torch.testing.assert_close(full.double(), ref, rtol=0, atol=1e-4)
+        torch.testing.assert_close(full, avx, rtol=0, atol=1e-4)
+        for m in (1, 2, 3, 16, 17, 33):
+            assert torch.equal(native.skinny_linear(x[:m].contiguous(), wp, b, True), full[:m])
+        for i in (0, 7, 39):
+            assert torch.equal(native.skinny_linear(x[i:i + 1].contiguous(), wp, b, True), full[i:i + 1])
+        half = native.skinny_linear(x, wp, b, False)  # rounded once to bf16, from the same sums
+        assert torch.equal(half, full.to(torch.bfloat16))
+    finally:
+        native.set_amx(True)
+
+
+@pytest.mark.skipif(native is None, reason="no AVX-512 bf16 CPU or no compiler")
+def test_amx_switch_refused_without_amx():
+    if amx:
+        native.set_amx(False)
+        assert not native.amx()
+        native.set_amx(True)
+        assert native.amx()
+    else:
+        with pytest.raises(RuntimeError, match="no AMX"):
+            native.set_amx(True)
