@@ -17,9 +17,19 @@ FAST_DTYPES = (torch.float32, torch.bfloat16)
 # 8 rows and needs no horizontal sums, 8.7 ms for 8 rows against oneDNN's 13.6 and 14.8 against
 # 18.6 ms at 16; end to end (bench/bench_verify_cost.py) a 16-token verify takes 25.9 ms in
 # the stack against 32.9 ms per-op with oneDNN. The row layout (float32, or shapes that cannot be packed) wins only up to 4 rows.
+# With AMX tiles (Intel Xeons, engine/kernels/cpu_gemv.cpp) the packed layout keeps its pace
+# further: 24 / 32 rows in 13.1 / 12.6 ms against oneDNN's 17.8 / 18.3, one row 9.7 ms
+# (bench/bench_linear.py on a 2-core Xeon, bench/results/linear_xeon_amx.json).
 PACKED_MAX_ROWS = 16
+AMX_PACKED_MAX_ROWS = 32
 ROW_LAYOUT_MAX_ROWS = 4
-SKINNY_MAX_ROWS = PACKED_MAX_ROWS  # the most rows any native path takes
+SKINNY_MAX_ROWS = PACKED_MAX_ROWS  # the most rows the native paths take on every CPU they run on
+
+
+def packed_max_rows() -> int:
+    """Up to how many rows packed bf16 weights go to the native kernel on this CPU."""
+    mod = kernels.native()
+    return AMX_PACKED_MAX_ROWS if mod is not None and getattr(mod, "amx", lambda: False)() else PACKED_MAX_ROWS
 
 
 _rows_as = 0  # within `rows_as`: linears pick their kernel as if their input had at least this many rows
@@ -66,7 +76,7 @@ class Linear(nn.Module):
         self.native_max_rows = ROW_LAYOUT_MAX_ROWS if self._skinny is not None else 0
         if self._skinny is not None and w.dtype == torch.bfloat16 and w.shape[0] % 32 == 0 and w.shape[1] % 2 == 0:
             self.native_weight = kernels.native().pack_bf16(w.data)
-            self.native_max_rows = PACKED_MAX_ROWS
+            self.native_max_rows = packed_max_rows()
         if _onednn_ok():
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w.data, 1)
         return self._skinny is not None or self._packed is not None

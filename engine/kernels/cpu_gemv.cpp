@@ -8,6 +8,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <cpuid.h>
+#include "simd.h"
 #include <sys/syscall.h>
 #include <unistd.h>
 #include <algorithm>
@@ -233,13 +234,23 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& wp, con
   // (only where each tile is read once: past PACKED_TILE_M rows a tile is read again per 8 rows,
   // and the second read should find it in L2)
   const bool nta = nta_streams && (stream_nta || wp.numel() * 2 > STREAM_NTA_BYTES) && M <= PACKED_TILE_M;
+  // out[j][32] of a tile -> y, plus the bias, in 16-lane vectors (scalar, this took ~15% of a
+  // 16-row product's time)
   auto epilogue = [&](int64_t t, int64_t m, int mb, const float* out) {
-    for (int j = 0; j < mb; ++j)
-      for (int i = 0; i < 32; ++i) {
-        const int64_t n = t * 32 + i;
-        const float v = out[j * 32 + i] + (bp ? bf16_to_float(bp[n]) : 0.f);
-        if (yf) yf[(m + j) * N + n] = v; else yh[(m + j) * N + n] = to_bf16(v);
+    const __m512 b0 = bp ? eagle_simd::load16(reinterpret_cast<const at::BFloat16*>(bp + t * 32)) : _mm512_setzero_ps();
+    const __m512 b1 = bp ? eagle_simd::load16(reinterpret_cast<const at::BFloat16*>(bp + t * 32 + 16)) : _mm512_setzero_ps();
+    for (int j = 0; j < mb; ++j) {
+      const __m512 v0 = _mm512_add_ps(_mm512_loadu_ps(out + j * 32), b0);
+      const __m512 v1 = _mm512_add_ps(_mm512_loadu_ps(out + j * 32 + 16), b1);
+      const int64_t at = (m + j) * N + t * 32;
+      if (yf) {
+        _mm512_storeu_ps(yf + at, v0);
+        _mm512_storeu_ps(yf + at + 16, v1);
+      } else {
+        eagle_simd::store16(reinterpret_cast<at::BFloat16*>(yh + at), v0);
+        eagle_simd::store16(reinterpret_cast<at::BFloat16*>(yh + at + 16), v1);
       }
+    }
   };
   if (use_amx && K % 32 == 0) {
     at::parallel_for(0, N / 32, 2, [&](int64_t t0, int64_t t1) {
