@@ -261,7 +261,7 @@ class ProfileRun:
             spans.append(SeqSpan(ids, ctx, ids_of[b * blocks_per:(b + 1) * blocks_per]))
 
         def run():
-            runner.model.compute_logits(runner.forward(spans)).argmax(-1).tolist()
+            runner.model.compute_logits(runner.forward(spans)).max(-1).indices.tolist()  # as sampler.choose
         return run
 
     def _draft(self, n: int, ids_of: list[int]) -> bool:

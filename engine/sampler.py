@@ -91,8 +91,14 @@ def truncate(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
 
 def choose(logits: torch.Tensor, rows: list[SampleRow], skip: Container[int] = frozenset()) -> torch.Tensor:
     """Processed logits [N, V] -> chosen token ids [N] (still on the device). Sampled rows in
-    `skip` are left undrawn (their argmax)."""
-    chosen = logits.argmax(-1)
+    `skip` are left undrawn (their argmax).
+
+    max(-1).indices is argmax with the same first-index rule on ties (and NaN / all -inf rows),
+    2.5-3x faster on the CPU: [32, 49152] float32 rows 0.41 ms against 1.0 ms, one row 22
+    against 63 us (scratch timings on the 2-core Xeon; the 32-sequence round it was found in
+    spent 1.45 ms a round in argmax, by cProfile). Greedy decoding of 32 sequences ran 1.029x
+    with it, same outputs (a scratch A/B in one process, 4 alternating repetitions)."""
+    chosen = logits.max(-1).indices
     for i, row in enumerate(rows):
         p = row.params
         if p.greedy or i in skip:
@@ -104,7 +110,7 @@ def choose(logits: torch.Tensor, rows: list[SampleRow], skip: Container[int] = f
 def draw(logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor) -> torch.Tensor:
     """Gumbel-max over one processed row [V] after temperature and truncation (a 0-d tensor)."""
     scaled = truncate(logits.double() / params.temperature, params.top_k, params.top_p)
-    return (scaled + noise.to(scaled.device)).argmax()
+    return (scaled + noise.to(scaled.device)).max(-1).indices
 
 
 class Picks:

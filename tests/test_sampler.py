@@ -167,3 +167,18 @@ def test_seeded_output_is_independent_of_batch_composition(tiny_llm):
     assert tiny_llm.generate(prompt, target)[0].token_ids == alone
     unseeded = tiny_llm.generate([prompt] * 2, SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True))
     assert unseeded[0].token_ids != unseeded[1].token_ids  # fresh random seeds
+
+
+def test_greedy_choice_takes_the_first_of_tied_maxima_and_follows_nan_like_argmax():
+    """choose() reads max(-1).indices for speed; it must pick what argmax picks: the first index
+    of tied maxima, a NaN where a row has one, index 0 of an all -inf row."""
+    torch.manual_seed(0)
+    x = torch.randint(0, 3, (5, 4096)).float()  # many ties per row
+    x[1, 7] = float("nan")
+    x[2] = float("-inf")
+    x[3, 4000] = 5.0
+    x[3, 10] = 5.0
+    rows = [SampleRow(SamplingParams(temperature=0), 0, 0, []) for _ in range(5)]
+    got = choose(x, rows)
+    assert got.tolist() == x.argmax(-1).tolist()
+    assert got[3].item() == 10 and got[2].item() == 0 and got[1].item() == 7
