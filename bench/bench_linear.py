@@ -80,8 +80,16 @@ def main() -> None:
     rows = [int(r) for r in args.rows.split(",")]
     results = [r for d in args.dtypes.split(",") for r in measure(getattr(torch, d), rows, args.reps)]
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    sys.path.insert(0, HERE)
+    import bench_decode as bd
+    mod = kernels.native()
+    provenance = {"command": " ".join(["python"] + sys.argv), "git_head": bd.git_head(),
+                  "source_digest": bd.source_digest(), "cpu": bd.cpu_model(),
+                  "amx": mod.amx() if mod is not None and hasattr(mod, "amx") else None,
+                  "nta_streams": mod.nta_streams() if mod is not None and hasattr(mod, "nta_streams") else None}
     with open(args.out, "w") as f:
-        json.dump({"threads": torch.get_num_threads(), "torch": torch.__version__, "results": results}, f, indent=1)
+        json.dump({**provenance, "threads": torch.get_num_threads(), "torch": torch.__version__, "results": results},
+                  f, indent=1)
     print(f"wrote {args.out}")
 
 

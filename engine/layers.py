@@ -18,7 +18,7 @@ FAST_DTYPES = (torch.float32, torch.bfloat16)
 # 18.6 ms at 16; end to end (bench/bench_verify_cost.py) a 16-token verify takes 25.9 ms in
 # the stack against 32.9 ms per-op with oneDNN. The row layout (float32, or shapes that cannot be packed) wins only up to 4 rows.
 # With AMX tiles (Intel Xeons, engine/kernels/cpu_gemv.cpp) the packed layout keeps its pace
-# further: 24 / 32 rows in 13.1 / 12.6 ms against oneDNN's 17.8 / 18.3, one row 9.7 ms
+# further: 24 / 32 rows in 13.9 / 13.3 ms against oneDNN's 18.4 / 19.2, one row 10.5 ms
 # (bench/bench_linear.py on a 2-core Xeon, bench/results/linear_xeon_amx.json).
 PACKED_MAX_ROWS = 16
 AMX_PACKED_MAX_ROWS = 32
@@ -26,10 +26,13 @@ ROW_LAYOUT_MAX_ROWS = 4
 SKINNY_MAX_ROWS = PACKED_MAX_ROWS  # the most rows the native paths take on every CPU they run on
 
 
-def packed_max_rows() -> int:
-    """Up to how many rows packed bf16 weights go to the native kernel on this CPU."""
+def packed_max_rows(in_features: int) -> int:
+    """Up to how many rows packed bf16 weights of this many inputs go to the native kernel on
+    this CPU: 32 where its AMX path takes them (in_features % 32 == 0), else 16. Decided at
+    prepack: the module's set_amx is for benchmarks, before any model is built."""
     mod = kernels.native()
-    return AMX_PACKED_MAX_ROWS if mod is not None and getattr(mod, "amx", lambda: False)() else PACKED_MAX_ROWS
+    amx = mod is not None and getattr(mod, "amx", lambda: False)()
+    return AMX_PACKED_MAX_ROWS if amx and in_features % 32 == 0 else PACKED_MAX_ROWS
 
 
 _rows_as = 0  # within `rows_as`: linears pick their kernel as if their input had at least this many rows
@@ -76,7 +79,7 @@ class Linear(nn.Module):
         self.native_max_rows = ROW_LAYOUT_MAX_ROWS if self._skinny is not None else 0
         if self._skinny is not None and w.dtype == torch.bfloat16 and w.shape[0] % 32 == 0 and w.shape[1] % 2 == 0:
             self.native_weight = kernels.native().pack_bf16(w.data)
-            self.native_max_rows = packed_max_rows()
+            self.native_max_rows = packed_max_rows(w.shape[1])
         if _onednn_ok():
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w.data, 1)
         return self._skinny is not None or self._packed is not None

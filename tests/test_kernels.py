@@ -399,7 +399,10 @@ def test_nta_streams_switch_default_by_vendor_and_same_numbers():
     with open("/proc/cpuinfo") as f:
         amd = "AuthenticAMD" in f.read()
     before = native.nta_streams()
+    amx_before = native.amx() if hasattr(native, "amx") else False
     try:
+        if amx_before:  # the streams belong to the AVX-512 loop; AMX tiles would take this weight
+            native.set_amx(False)
         gen = torch.Generator().manual_seed(0)
         w = (torch.randn(8192 * 2 + 32, 576, generator=gen) * 0.02).to(torch.bfloat16)  # 19 MB
         wp = native.pack_bf16(w)
@@ -414,6 +417,8 @@ def test_nta_streams_switch_default_by_vendor_and_same_numbers():
         assert (outs[0] - ref).abs().max() < 1e-2
     finally:
         native.set_nta_streams(before)
+        if amx_before:
+            native.set_amx(True)
     assert before is amd or "EAGLE_SERVE_NTA_STREAMS" in os.environ
 
 
@@ -424,13 +429,13 @@ def test_nta_streams_env_is_checked(monkeypatch):
         def set_nta_streams(self, on):
             calls.append(on)
 
-    for value, want in (("1", [True]), ("0", [False]), ("", [])):
+    for value, want in (("1", [True]), ("0", [False]), ("", []), (" On ", [True]), ("false", [False])):
         calls.clear()
         monkeypatch.setenv("EAGLE_SERVE_NTA_STREAMS", value)
         kernels.configure(Mod())
         assert calls == want
-    monkeypatch.setenv("EAGLE_SERVE_NTA_STREAMS", "yes")
-    with pytest.raises(ValueError, match="EAGLE_SERVE_NTA_STREAMS must be 0 or 1"):
+    monkeypatch.setenv("EAGLE_SERVE_NTA_STREAMS", "2")
+    with pytest.raises(ValueError, match="expected 1/0, true/false"):
         kernels.configure(Mod())
 
 
@@ -438,10 +443,11 @@ amx = native is not None and hasattr(native, "amx") and native.amx()
 
 
 @pytest.mark.skipif(not amx, reason="no AMX on this CPU (or OS)")
-@pytest.mark.parametrize("n, k", [(960, 576), (576, 1536), (64, 32), (96, 2880)])
+@pytest.mark.parametrize("n, k", [(960, 576), (576, 1536), (64, 32), (96, 2880), (64, 48)])
 def test_amx_products_match_reference_and_each_row_stands_alone(n, k):
-    """The AMX path: within bf16 products' error of float64, within float32 rounding of the
-    AVX-512 path, and every row's result the same whatever rows come with it (1..40: several
+    """The AMX path (k = 48: not a multiple of 32, the AVX-512 loop at every row count): within
+    bf16 products' error of float64, within float32 rounding of the AVX-512 path, and every
+    row's result the same whatever rows come with it (every prefix of 1..40 rows: several
     16-row blocks, ragged)."""
     gen = torch.Generator().manual_seed(n + k)
     w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(torch.bfloat16)
@@ -456,7 +462,7 @@ def test_amx_products_match_reference_and_each_row_stands_alone(n, k):
         ref = F.linear(x.double(), w.double(), b.double())
         torch.testing.assert_close(full.double(), ref, rtol=0, atol=1e-4)
         torch.testing.assert_close(full, avx, rtol=0, atol=1e-4)
-        for m in (1, 2, 3, 16, 17, 33):
+        for m in range(1, 41):
             assert torch.equal(native.skinny_linear(x[:m].contiguous(), wp, b, True), full[:m])
         for i in (0, 7, 39):
             assert torch.equal(native.skinny_linear(x[i:i + 1].contiguous(), wp, b, True), full[i:i + 1])
@@ -469,10 +475,26 @@ def test_amx_products_match_reference_and_each_row_stands_alone(n, k):
 @pytest.mark.skipif(native is None, reason="no AVX-512 bf16 CPU or no compiler")
 def test_amx_switch_refused_without_amx():
     if amx:
-        native.set_amx(False)
-        assert not native.amx()
-        native.set_amx(True)
+        try:
+            native.set_amx(False)
+            assert not native.amx()
+        finally:
+            native.set_amx(True)
         assert native.amx()
     else:
         with pytest.raises(RuntimeError, match="no AMX"):
             native.set_amx(True)
+
+
+@pytest.mark.skipif(native is None, reason="no AVX-512 bf16 CPU or no compiler")
+def test_packed_rows_limit_follows_amx_and_the_input_width():
+    """32 rows natively only where AMX tiles take the weight (inputs a multiple of 32), else 16;
+    a decode stack takes what its linears all take."""
+    from engine.layers import AMX_PACKED_MAX_ROWS, PACKED_MAX_ROWS, packed_max_rows
+    assert packed_max_rows(576) == (AMX_PACKED_MAX_ROWS if amx else PACKED_MAX_ROWS)
+    assert packed_max_rows(48) == PACKED_MAX_ROWS
+    for k, want in ((64, packed_max_rows(64)), (48, PACKED_MAX_ROWS)):
+        lin = Linear(k, 64)
+        lin.weight.data = torch.randn(64, k).to(torch.bfloat16)
+        lin.prepack()
+        assert lin.native_max_rows == want

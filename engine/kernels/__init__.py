@@ -4,9 +4,10 @@
 EAGLE_SERVE_NATIVE_KERNELS=0); callers then fall back to oneDNN / F.linear. The build is cached
 under the torch extensions folder, so only the first start pays for it (~40 s).
 
-EAGLE_SERVE_NTA_STREAMS=1 / 0 turns the non-temporal streaming of large weights on / off (default:
-on AMD CPUs only, where it measured faster; on an Intel Xeon it cost 45% of plain decoding's
-speed: engine/kernels/cpu_gemv.cpp).
+EAGLE_SERVE_NTA_STREAMS=1 / 0 (or true/false, yes/no, on/off) turns the non-temporal streaming of
+large weights on / off (default: on AMD CPUs only, where it measured faster; on an Intel Xeon it
+cost 45% of plain decoding's speed: engine/kernels/cpu_gemv.cpp). It applies to the AVX-512 loop
+only: products that run as AMX tiles (Intel, inputs a multiple of 32) do not stream that way.
 """
 from __future__ import annotations
 
@@ -55,14 +56,14 @@ def native():
 
 
 def configure(mod) -> None:
-    """Apply EAGLE_SERVE_NTA_STREAMS to a compiled kernel module (a value other than 0 / 1 is
-    refused: a typo would silently leave the default)."""
-    value = os.environ.get("EAGLE_SERVE_NTA_STREAMS")
-    if value is None or value == "":
+    """Apply EAGLE_SERVE_NTA_STREAMS to a compiled kernel module (the CLI's boolean spellings;
+    anything else is refused: a typo would silently leave the default)."""
+    value = os.environ.get("EAGLE_SERVE_NTA_STREAMS", "").strip().lower()
+    if value == "":
         return
-    if value not in ("0", "1"):
-        raise ValueError(f"EAGLE_SERVE_NTA_STREAMS must be 0 or 1, got {value!r}")
-    mod.set_nta_streams(value == "1")
+    if value not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        raise ValueError(f"EAGLE_SERVE_NTA_STREAMS={value!r}: expected 1/0, true/false, yes/no or on/off")
+    mod.set_nta_streams(value in ("1", "true", "yes", "on"))
 
 
 def skinny_linear():

@@ -87,7 +87,8 @@ constexpr int64_t PREFETCH_PAIRS = 64;
 // head's weights, the KV cache, the interpreter's own state. A stream counts as such when its
 // weights exceed STREAM_NTA_BYTES: one linear's (packed_linear), or a whole DecodeStack's, which
 // sets stream_nta for its forward. Whether any stream does is nta_streams (set_nta_streams):
-// by default on AMD CPUs only. On an AMD EPYC (Zen 5), against the temporal build side by side
+// by default on AMD CPUs only. The streams are a prefetch hint of the AVX-512 loop only: where
+// the AMX path below runs (Intel, K % 32 == 0) they do not apply. On an AMD EPYC (Zen 5), against the temporal build side by side
 // (bench/bench_kernels_ab.py --rev 5800912 --skip-linear --trees none,3x1x2,4x2x2 --prompts 12,
 // bench/results/kernels_ab_nta.json): greedy decoding 1.05x, 1.03x with 3-token trees, 1.08x
 // with 4-token trees 2 deep (both builds equal: 1.005 / 1.009 / 0.997, kernels_ab_nta_aa.json).
@@ -99,7 +100,7 @@ constexpr int64_t PREFETCH_PAIRS = 64;
 // and an 8 KB lookahead alone does not hide DRAM latency). Measured at one sequence.
 extern const int64_t STREAM_NTA_BYTES = int64_t(16) << 20;
 thread_local bool stream_nta = false;  // read on the calling thread, before parallel_for
-bool nta_streams = __builtin_cpu_is("amd");  // the process-wide switch (set_nta_streams)
+bool nta_streams = (__builtin_cpu_init(), __builtin_cpu_is("amd"));  // the process-wide switch (set_nta_streams)
 
 namespace {
 
@@ -150,18 +151,33 @@ inline void packed_rows(int mb, const uint16_t* x, int64_t K, const uint16_t* wt
 // it loads with a 128-byte stride; A is up to 16 input rows of 32 values; C, 16 float32 outputs
 // of each row. Each output still sums its pairs in k order into one float32 lane, and every row
 // apart from the others, so a row's result does not depend on how many rows came with it.
-// Why: VDPBF16PS runs at half rate on the Xeon measured (one every 2 cycles a core, ~110
-// GFLOP/s), which made 2-16-row products partly compute-bound there (bench/bench_linear.py:
-// 16.5 ms for 2 rows against 10.2 for one); a tile instruction does 16 x 16 x 32.
+// Why: VDPBF16PS ran at half rate on the Xeon measured (one every 2 cycles a core, ~110
+// GFLOP/s in L2: a scratch timing), which made 2-16-row products partly compute-bound there
+// (bench/bench_linear.py at 9ab5fea, bench/results/linear_xeon_avx512.json: 16.5 ms for 2 rows
+// against 10.2 for one); a tile instruction does 16 x 16 x 32.
 constexpr int AMX_ROWS = 16;
 
-bool amx_supported() {  // CPUID.(7,0):EDX bit 22 AMX-BF16, bit 24 AMX-TILE; the OS must grant the state
+// GCC 11 / clang 12 brought the AMX intrinsics (the assembler needs binutils 2.36); an older
+// compiler builds the module without this path, which then never runs
+#ifndef EAGLE_AMX
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
+#define EAGLE_AMX 1
+#else
+#define EAGLE_AMX 0
+#endif
+#endif
+
+bool amx_supported() {
+#if !EAGLE_AMX
+  return false;
+#endif  // CPUID.(7,0):EDX bit 22 AMX-BF16, bit 24 AMX-TILE; the OS must grant the state
   unsigned a, b, c, d;
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24))) return false;
   constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
   return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
 
+#if EAGLE_AMX
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
@@ -198,6 +214,11 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void amx_tile(const uint16_t
   _tile_stored(0, out, 128);
   _tile_stored(1, out + 16, 128);
 }
+#else  // never called: amx_supported() is false
+inline void amx_configure(int) {}
+inline void amx_release() {}
+inline void amx_tile(const uint16_t*, int64_t, const uint16_t*, float*) {}
+#endif
 
 void check(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& b) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "shapes: x [M, K], w [N, K]");
@@ -234,8 +255,10 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& wp, con
   // (only where each tile is read once: past PACKED_TILE_M rows a tile is read again per 8 rows,
   // and the second read should find it in L2)
   const bool nta = nta_streams && (stream_nta || wp.numel() * 2 > STREAM_NTA_BYTES) && M <= PACKED_TILE_M;
-  // out[j][32] of a tile -> y, plus the bias, in 16-lane vectors (scalar, this took ~15% of a
-  // 16-row product's time)
+  // out[j][32] of a tile -> y, plus the bias, in 16-lane vectors (scalar, it took 12.4 ms of
+  // 16 rows over all layers against 10.8 vectorised: scratch bench_linear runs). VCVTNEPS2BF16
+  // rounds to nearest even like to_bf16 but flushes denormals to 0 and keeps a NaN's sign and
+  // payload (to_bf16, which the row layout still uses, keeps denormals, NaN -> 0x7fc0).
   auto epilogue = [&](int64_t t, int64_t m, int mb, const float* out) {
     const __m512 b0 = bp ? eagle_simd::load16(reinterpret_cast<const at::BFloat16*>(bp + t * 32)) : _mm512_setzero_ps();
     const __m512 b1 = bp ? eagle_simd::load16(reinterpret_cast<const at::BFloat16*>(bp + t * 32 + 16)) : _mm512_setzero_ps();
