@@ -493,7 +493,7 @@ def test_packed_rows_limit_follows_amx_and_the_input_width():
     from engine.layers import AMX_PACKED_MAX_ROWS, PACKED_MAX_ROWS, packed_max_rows
     assert packed_max_rows(576) == (AMX_PACKED_MAX_ROWS if amx else PACKED_MAX_ROWS)
     assert packed_max_rows(48) == PACKED_MAX_ROWS
-    for k, want in ((64, packed_max_rows(64)), (48, PACKED_MAX_ROWS)):
+    for k, want in ((64, AMX_PACKED_MAX_ROWS if amx else PACKED_MAX_ROWS), (48, PACKED_MAX_ROWS)):
         lin = Linear(k, 64)
         lin.weight.data = torch.randn(64, k).to(torch.bfloat16)
         lin.prepack()

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from engine.sampler import SampleRow, choose, process_logits, sample
+from engine.sampler import SampleRow, choose, draw, process_logits, sample
 from engine.sampling_params import SamplingParams
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0], dtype=torch.float64)
@@ -182,3 +182,9 @@ def test_greedy_choice_takes_the_first_of_tied_maxima_and_follows_nan_like_argma
     got = choose(x, rows)
     assert got.tolist() == x.argmax(-1).tolist()
     assert got[3].item() == 10 and got[2].item() == 0 and got[1].item() == 7
+    # draw(): one float64 row, a 0-d index as argmax() gives (huge noise: the noise decides)
+    row = torch.zeros(4096, dtype=torch.float64)
+    noise = torch.zeros(4096, dtype=torch.float64)
+    noise[[5, 9]] = 1.0
+    picked = draw(row, SamplingParams(temperature=1.0), noise)
+    assert picked.shape == () and picked.item() == 5 == (row + noise).argmax().item()
