@@ -95,14 +95,14 @@ def linear_part(mods: dict, rows: list[int], reps: int) -> dict:
     raw = [(torch.randn(o, i) * 0.02).to(torch.bfloat16) for _ in range(30) for o, i in SHAPES]
     packed = {name: [m.pack_bf16(w) for w in raw] for name, m in mods.items()}
     nbytes = sum(w.numel() * 2 for w in raw)
+    amx = {m.amx() if hasattr(m, "amx") else False for m in mods.values()}
+    same = torch.equal if len(amx) == 1 else lambda a, b: torch.allclose(a, b, rtol=0, atol=1e-4)
     out = {}
     for M in rows:
         xs = [torch.randn(M, w.shape[1]).to(torch.bfloat16) for w in raw[:len(SHAPES)]]
         ref = None
-        amx = {m.amx() if hasattr(m, "amx") else False for m in mods.values()}
         for name, m in mods.items():  # same numbers from both builds (AMX and AVX-512 round apart)
             y = m.skinny_linear(xs[0], packed[name][0], None, True)
-            same = torch.equal if len(amx) == 1 else lambda a, b: torch.allclose(a, b, rtol=0, atol=1e-4)
             assert ref is None or same(y, ref), "the two builds disagree"
             ref = y
         times = {name: [] for name in mods}

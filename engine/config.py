@@ -10,6 +10,18 @@ DEVICES = ("auto", "cpu", "cuda")
 # auto: flash on CUDA when flash-attn imports (else torch), native on the CPU where its kernels
 # build (else torch); see engine.attention.make_backend
 ATTENTIONS = ("auto", "torch", "native", "flash")
+ENV_TRUE, ENV_FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def env_flag(value: str) -> bool | None:
+    """An on / off environment value: one of ENV_TRUE / ENV_FALSE (any case, spaces around),
+    None for an empty one; anything else is a ValueError (a typo must not leave the default)."""
+    flag = value.strip().lower()
+    if flag == "":
+        return None
+    if flag not in ENV_TRUE + ENV_FALSE:
+        raise ValueError(f"{value!r}: expected 1/0, true/false, yes/no or on/off")
+    return flag in ENV_TRUE
 
 
 @dataclass(frozen=True)

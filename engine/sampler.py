@@ -95,9 +95,8 @@ def choose(logits: torch.Tensor, rows: list[SampleRow], skip: Container[int] = f
 
     max(-1).indices is argmax with the same first-index rule on ties (and NaN / all -inf rows),
     2.5-3x faster on the CPU: [32, 49152] float32 rows 0.41 ms against 1.0 ms, one row 22
-    against 63 us (scratch timings on the 2-core Xeon; the 32-sequence round it was found in
-    spent 1.45 ms a round in argmax, by cProfile). Greedy decoding of 32 sequences ran 1.029x
-    with it, same outputs (a scratch A/B in one process, 4 alternating repetitions)."""
+    against 62 us; greedy decoding of 32 sequences 1.032x with it, same outputs (on the 2-core
+    Xeon: bench/bench_probes.py's argmax and greedy probes, bench/results/probes_s34_xeon.json)."""
     chosen = logits.max(-1).indices
     for i, row in enumerate(rows):
         p = row.params

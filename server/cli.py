@@ -7,7 +7,7 @@ import os
 import sys
 import time
 
-from engine.config import ATTENTIONS, DEVICES, DTYPES
+from engine.config import ATTENTIONS, DEVICES, DTYPES, env_flag
 from engine.spec.config import METHODS
 
 
@@ -130,11 +130,11 @@ def _env_defaults(parser: argparse.ArgumentParser) -> None:
         if value is None:
             continue
         if isinstance(action, argparse._StoreTrueAction):
-            flag = value.strip().lower()
-            if flag not in ("1", "true", "yes", "on", "0", "false", "no", "off", ""):
-                _bad_env(action, f"{name}={value!r}: expected 1/0, true/false, yes/no or on/off")
+            try:
+                action.default = bool(env_flag(value))
+            except ValueError as e:
+                _bad_env(action, f"{name}={e}")
                 continue
-            action.default = flag in ("1", "true", "yes", "on")
         else:
             try:
                 action.default = action.type(value) if action.type else value

@@ -58,12 +58,13 @@ def native():
 def configure(mod) -> None:
     """Apply EAGLE_SERVE_NTA_STREAMS to a compiled kernel module (the CLI's boolean spellings;
     anything else is refused: a typo would silently leave the default)."""
-    value = os.environ.get("EAGLE_SERVE_NTA_STREAMS", "").strip().lower()
-    if value == "":
-        return
-    if value not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-        raise ValueError(f"EAGLE_SERVE_NTA_STREAMS={value!r}: expected 1/0, true/false, yes/no or on/off")
-    mod.set_nta_streams(value in ("1", "true", "yes", "on"))
+    from engine.config import env_flag
+    try:
+        on = env_flag(os.environ.get("EAGLE_SERVE_NTA_STREAMS", ""))
+    except ValueError as e:
+        raise ValueError(f"EAGLE_SERVE_NTA_STREAMS={e}") from None
+    if on is not None:
+        mod.set_nta_streams(on)
 
 
 def skinny_linear():

@@ -151,8 +151,9 @@ inline void packed_rows(int mb, const uint16_t* x, int64_t K, const uint16_t* wt
 // it loads with a 128-byte stride; A is up to 16 input rows of 32 values; C, 16 float32 outputs
 // of each row. Each output still sums its pairs in k order into one float32 lane, and every row
 // apart from the others, so a row's result does not depend on how many rows came with it.
-// Why: VDPBF16PS ran at half rate on the Xeon measured (one every 2 cycles a core, ~110
-// GFLOP/s in L2: a scratch timing), which made 2-16-row products partly compute-bound there
+// Why: VDPBF16PS ran at half rate on the Xeon measured (one every 2 cycles a core: 104-120
+// GFLOP/s on one thread in L2, bench/bench_probes.py's dot probe, bench/results/probes_s34_xeon.json),
+// which made 2-16-row products partly compute-bound there
 // (bench/bench_linear.py at 9ab5fea, bench/results/linear_xeon_avx512.json: 16.5 ms for 2 rows
 // against 10.2 for one); a tile instruction does 16 x 16 x 32.
 constexpr int AMX_ROWS = 16;
@@ -167,14 +168,15 @@ constexpr int AMX_ROWS = 16;
 #endif
 #endif
 
-bool amx_supported() {
-#if !EAGLE_AMX
-  return false;
-#endif  // CPUID.(7,0):EDX bit 22 AMX-BF16, bit 24 AMX-TILE; the OS must grant the state
+bool amx_supported() {  // CPUID.(7,0):EDX bit 22 AMX-BF16, bit 24 AMX-TILE; the OS must grant the state
+#if EAGLE_AMX
   unsigned a, b, c, d;
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24))) return false;
   constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
   return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+#else
+  return false;
+#endif
 }
 
 #if EAGLE_AMX
@@ -229,7 +231,8 @@ void check(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<t
 
 }  // namespace
 
-bool use_amx = amx_supported();  // the process-wide switch (set_amx): where the CPU and OS allow
+const bool amx_available = amx_supported();  // asked once, at load
+bool use_amx = amx_available;  // the process-wide switch (set_amx)
 
 torch::Tensor pack_bf16(torch::Tensor w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.is_contiguous(), "w: contiguous bf16 [N, K]");
@@ -275,30 +278,28 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& wp, con
       }
     }
   };
-  if (use_amx && K % 32 == 0) {
-    at::parallel_for(0, N / 32, 2, [&](int64_t t0, int64_t t1) {
-      alignas(64) float out[AMX_ROWS * 32];
-      int configured = 0;
-      for (int64_t t = t0; t < t1; ++t)
-        for (int64_t m = 0; m < M; m += AMX_ROWS) {
-          const int mb = static_cast<int>(std::min<int64_t>(AMX_ROWS, M - m));
-          if (mb != configured) amx_configure(configured = mb);
-          amx_tile(xp + m * K, K, wpp + t * (K / 2) * 64, out);
-          epilogue(t, m, mb, out);
-        }
-      if (configured) amx_release();
-    });
-    return y;
-  }
+  // AMX tiles take up to AMX_ROWS rows a pass, the AVX-512 loop PACKED_TILE_M; the choice is per
+  // weight (K), never per row count, so a row's result does not depend on the rows beside it
+  const bool tiles = use_amx && K % 32 == 0;
+  const int64_t block = tiles ? AMX_ROWS : PACKED_TILE_M;
   at::parallel_for(0, N / 32, 2, [&](int64_t t0, int64_t t1) {
-    float out[PACKED_TILE_M * 32];
+    alignas(64) float out[std::max(AMX_ROWS, PACKED_TILE_M) * 32];
+    int configured = 0;  // the rows this thread's tile configuration is for (0: none loaded)
     for (int64_t t = t0; t < t1; ++t)
-      for (int64_t m = 0; m < M; m += PACKED_TILE_M) {
-        const int mb = static_cast<int>(std::min<int64_t>(PACKED_TILE_M, M - m));
-        if (nta) packed_rows<true>(mb, xp + m * K, K, wpp + t * (K / 2) * 64, out);
-        else packed_rows<false>(mb, xp + m * K, K, wpp + t * (K / 2) * 64, out);
+      for (int64_t m = 0; m < M; m += block) {
+        const int mb = static_cast<int>(std::min<int64_t>(block, M - m));
+        const uint16_t* wt = wpp + t * (K / 2) * 64;
+        if (tiles) {
+          if (mb != configured) amx_configure(configured = mb);
+          amx_tile(xp + m * K, K, wt, out);
+        } else if (nta) {
+          packed_rows<true>(mb, xp + m * K, K, wt, out);
+        } else {
+          packed_rows<false>(mb, xp + m * K, K, wt, out);
+        }
         epilogue(t, m, mb, out);
       }
+    if (configured) amx_release();
   });
   return y;
 }
@@ -358,7 +359,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_nta_streams", [](bool on) { nta_streams = on; },
         "stream large weights with non-temporal prefetches (default: on AMD CPUs only)");
   m.def("nta_streams", []() { return nta_streams; }, "whether large weights stream non-temporally");
-  m.def("set_amx", [](bool on) { TORCH_CHECK(!on || amx_supported(), "this CPU (or OS) has no AMX"); use_amx = on; },
+  m.def("set_amx", [](bool on) { TORCH_CHECK(!on || amx_available, "this CPU (or OS) has no AMX"); use_amx = on; },
         "packed bf16 products through AMX tiles (default: where the CPU and OS have them)");
   m.def("amx", []() { return use_amx; }, "whether packed bf16 products use AMX tiles");
   register_decode_stack(m);

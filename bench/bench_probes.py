@@ -1,0 +1,185 @@
+#!/usr/bin/env python
+"""Small probes of where time goes on this CPU, each timed in isolation (medians of repeated
+calls; warm caches unless a probe says otherwise):
+
+  dot        packed bf16 products on ONE thread over a 576 x 576 weight (0.66 MB, in L2) at 1-16
+             rows: GFLOP/s of the kernel's arithmetic, with the AMX tiles off and (where the CPU
+             has them) on
+  attention  the native paged attention alone, the default model's heads (9 query, 3 KV, 64
+             dims), T rows of a causal tree over L keys: ns per key, row and KV head, and x 30
+             layers
+  head       the shipped head's seven products at one row (fc_aux, fc, the layer's four, its
+             8192-token LM head: 20 MB), back to back with the weights cached, and right after
+             streaming 400 MB (what the draft's first level finds after the target's forward)
+  argmax     greedy picks over [rows, 49152] float32 logits: argmax against max(-1).indices
+  stack      the default model's forward (native stack + nothing else) by tokens and context, on
+             the engine thread as the engine runs it
+  greedy     plain greedy decoding of 32 MT-bench prompts at once, sampler.choose by argmax
+             against max(-1).indices, alternating, same engine: tokens/s and equal outputs
+
+    .venv/bin/python bench/bench_probes.py [--probes dot,attention,head,argmax,stack,greedy]
+Writes --out (bench/results/probes.json).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import bench_decode as bd  # noqa: E402  (puts the project root on sys.path)
+import torch  # noqa: E402
+
+from engine import kernels  # noqa: E402
+
+
+def timed(fn, reps: int, warm: int = 5) -> float:
+    for _ in range(warm):
+        fn()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) / reps
+
+
+def probe_dot(mod) -> dict:
+    threads, default = torch.get_num_threads(), mod.amx()
+    torch.set_num_threads(1)
+    try:
+        w = mod.pack_bf16((torch.randn(576, 576) * 0.02).to(torch.bfloat16))
+        out = {}
+        for amx in ([False, True] if default else [False]):
+            mod.set_amx(amx)
+            for m in (1, 2, 4, 8, 16):
+                x = torch.randn(m, 576).to(torch.bfloat16)
+                s = timed(lambda: mod.skinny_linear(x, w, None, False), 2000, 50)
+                out[f"{'amx' if amx else 'avx512'}_rows{m}_gflops"] = round(2 * m * 576 * 576 / s / 1e9, 1)
+        return out
+    finally:
+        mod.set_amx(default)
+        torch.set_num_threads(threads)
+
+
+def probe_attention(mod) -> dict:
+    H, Hkv, D, S = 9, 3, 64, 4096
+    kc, vc = (torch.randn(S, Hkv, D).to(torch.bfloat16) for _ in range(2))
+    out = {}
+    for L in (256, 1024):
+        for T in (1, 2, 4, 8):
+            q = torch.randn(T, H, D).to(torch.bfloat16)
+            mask = torch.ones(1, T, L, dtype=torch.bool)
+            for t in range(T):
+                mask[0, t, L - T + t + 1:] = False
+            args = (q, kc, vc, torch.arange(L).view(1, L), torch.tensor([L]), torch.zeros(T, dtype=torch.long),
+                    torch.arange(T), mask, D ** -0.5)
+            s = timed(lambda: mod.paged_attention(*args), 200, 10)
+            out[f"L{L}_T{T}"] = {"ns_per_key_row_kvhead": round(s * 1e9 / (T * Hkv * L), 2),
+                                 "ms_x30_layers": round(s * 30e3, 2)}
+    return out
+
+
+def probe_head(mod) -> dict:
+    shapes = [(576, 1728), (576, 1152), (960, 576), (576, 576), (3072, 576), (576, 1536), (8192, 576)]
+    ws = [mod.pack_bf16((torch.randn(n, k) * 0.02).to(torch.bfloat16)) for n, k in shapes]
+    xs = {k: torch.randn(1, k).to(torch.bfloat16) for _, k in shapes}
+
+    def one():
+        for (_, k), w in zip(shapes, ws):
+            mod.skinny_linear(xs[k], w, None, False)
+    hot = timed(one, 200, 20)
+    big = torch.ones(400 * 1024 * 1024 // 2, dtype=torch.bfloat16)
+    cold = []
+    for _ in range(21):
+        big.sum()
+        t0 = time.perf_counter()
+        one()
+        cold.append(time.perf_counter() - t0)
+    mb = sum(n * k * 2 for n, k in shapes) / 1e6
+    return {"weights_mb": round(mb, 1), "hot_ms": round(hot * 1e3, 3), "after_400mb_ms": round(statistics.median(cold) * 1e3, 3)}
+
+
+def probe_argmax() -> dict:
+    out = {}
+    for m in (1, 4, 32):
+        x = torch.randn(m, 49152)
+        out[f"rows{m}_us"] = {"argmax": round(timed(lambda: x.argmax(-1), 200) * 1e6, 1),
+                              "max_indices": round(timed(lambda: x.max(-1).indices, 200) * 1e6, 1)}
+    return out
+
+
+def probe_stack() -> dict:
+    from engine.forward_batch import SeqSpan, build_forward_batch
+    from server.llm import LLM
+    llm = LLM(None, dtype="bfloat16", kv_cache_tokens=8192)
+    r = llm.runner
+    bs = r.config.block_size
+
+    def run(T: int, ctx: int) -> float:
+        span = SeqSpan([100 + i for i in range(T)], ctx, list(range((ctx + T) // bs + 2)),
+                       positions=[ctx + i for i in range(T)], tree_mask=torch.tril(torch.ones(T, T, dtype=torch.bool)))
+        batch = build_forward_batch([span], bs, r.device)
+        with torch.inference_mode():
+            return timed(lambda: r.model(batch, r.kv, r.backend), 30, 3)
+    return {f"ctx{ctx}_T{T}_ms": round(run(T, ctx) * 1e3, 2) for ctx in (256, 1024) for T in (1, 4, 8)}
+
+
+def probe_greedy() -> dict:
+    import engine.sampler as sm
+    from engine.sampling_params import SamplingParams
+    from server.llm import LLM
+    new = sm.choose
+
+    def old(logits, rows, skip=frozenset()):  # choose() as it was, by argmax
+        chosen = logits.argmax(-1)
+        for i, row in enumerate(rows):
+            if not (row.params.greedy or i in skip):
+                chosen[i] = sm.draw(logits[i], row.params, sm.gumbel_noise(row.seed, row.output_position, logits.shape[1]))
+        return chosen
+    llm = LLM(None, dtype="bfloat16", kv_cache_tokens=65536)
+    prompts, params = bd.mtbench_ids(32), SamplingParams(max_tokens=128, temperature=0)
+    llm.generate(prompts, params)
+    rates, outs = {"argmax": [], "max_indices": []}, {}
+    try:
+        for rep in range(4):
+            for name in (("argmax", "max_indices") if rep % 2 == 0 else ("max_indices", "argmax")):
+                sm.choose = old if name == "argmax" else new
+                t0 = time.perf_counter()
+                o = llm.generate(prompts, params)
+                rates[name].append(sum(len(x.token_ids) for x in o) / (time.perf_counter() - t0))
+                outs[name] = [x.token_ids for x in o]
+    finally:
+        sm.choose = new
+    return {"tok_s": {k: [round(x, 1) for x in v] for k, v in rates.items()},
+            "ratio": round(sum(rates["max_indices"]) / sum(rates["argmax"]), 3),
+            "same_outputs": outs["argmax"] == outs["max_indices"]}
+
+
+def main() -> None:
+    """Every probe runs on the engine's thread: torch ops on a second thread leave that thread's
+    OpenMP team behind (bench_kernels_ab), and the engines built here decode on it."""
+    from scheduler.worker import on_engine_thread
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--probes", default="dot,attention,head,argmax,stack,greedy")
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "probes.json"))
+    args = ap.parse_args()
+    mod = kernels.native()
+    if mod is None:
+        sys.exit("the native kernels are unavailable on this machine")
+    probes = {"dot": lambda: probe_dot(mod), "attention": lambda: probe_attention(mod),
+              "head": lambda: probe_head(mod), "argmax": probe_argmax, "stack": probe_stack, "greedy": probe_greedy}
+    result = {"command": " ".join(["python"] + sys.argv), "git_head": bd.git_head(), "source_digest": bd.source_digest(),
+              "cpu": bd.cpu_model(), "amx": mod.amx(), "nta_streams": mod.nta_streams(), "threads": torch.get_num_threads()}
+    for name in args.probes.split(","):
+        if name not in probes:
+            sys.exit(f"--probes: {name!r} is not one of {', '.join(probes)}")
+        result[name] = on_engine_thread(probes[name])
+        print(name, result[name], flush=True)
+    bd.write_result(args.out, result)
+
+
+if __name__ == "__main__":
+    main()
