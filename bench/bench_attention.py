@@ -66,7 +66,7 @@ def base_module(rev: str):
         with open(os.path.join(d, "simd.h"), "w") as f:
             f.write(header.stdout)
     from torch.utils.cpp_extension import load
-    return load("eagle_serve_attention_base", paths, extra_cflags=kernels.FLAGS, verbose=False,
+    return load("eagle_serve_attention_base", paths, extra_cflags=kernels.isa()[2], verbose=False,
                 build_directory=d)
 
 

@@ -75,7 +75,7 @@ def build_rev(rev: str):
             out.write(src)
     kernels.native()  # puts ninja on PATH as the engine's own build does
     mod = load(f"eagle_serve_cpu_kernels_{sha}", [os.path.join(tmp, f) for f in SOURCES],
-               extra_cflags=kernels.FLAGS, build_directory=tmp, verbose=False)
+               extra_cflags=kernels.isa()[2], build_directory=tmp, verbose=False)
     return sha, mod, tmp
 
 
@@ -128,9 +128,12 @@ def spec_of(tree: str) -> SpecConfig:
     return spec_from_shape("eagle2", tree)
 
 
-def decode_part(mods: dict, trees: list[str], prompts: list[list[int]], max_new: int, batch: int = 1) -> dict:
+def decode_part(mods: dict, trees: list[str], prompts: list[list[int]], max_new: int, batch: int = 1,
+                dtypes: dict | None = None) -> dict:
     """batch > 1: `batch` prompts at a time through one generate call (the scheduler batches
-    them), alternating the builds per group."""
+    them), alternating the builds per group. `mods` may name more than two builds (a module, or
+    None: the native kernels off), each engine in dtypes[name] (default bfloat16); ratios and
+    same outputs are against the last one's, per build."""
     params = SamplingParams(max_tokens=max_new, temperature=0)
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     out = {}
@@ -139,7 +142,8 @@ def decode_part(mods: dict, trees: list[str], prompts: list[list[int]], max_new:
         engines = {}
         for name, m in mods.items():
             with using(m):
-                engines[name] = LLM(None, dtype="bfloat16", spec=spec, draft=DRAFT if spec.uses_head else None,
+                engines[name] = LLM(None, dtype=(dtypes or {}).get(name, "bfloat16"), spec=spec,
+                                    draft=DRAFT if spec.uses_head else None,
                                     kv_cache_tokens=16384 * max(1, batch // 2), tree_budget=tree == "budget")
                 engines[name].generate(groups[0], params)  # warm-up
         toks = {name: 0 for name in mods}
@@ -156,12 +160,20 @@ def decode_part(mods: dict, trees: list[str], prompts: list[list[int]], max_new:
                     toks[name] += len(o.token_ids)
                     outputs[name].append(list(o.token_ids))
         names = list(mods)
-        same = sum(a == b for a, b in zip(outputs[names[0]], outputs[names[1]]))
         rates = {name: toks[name] / secs[name] for name in mods}
-        out[tree] = {"tok_s": rates, "ratio": rates[names[1]] / rates[names[0]], "tokens": toks,
-                     "same_outputs": f"{same}/{len(prompts)}"}
+        if len(names) == 2:
+            same = sum(a == b for a, b in zip(outputs[names[0]], outputs[names[1]]))
+            out[tree] = {"tok_s": rates, "ratio": rates[names[1]] / rates[names[0]], "tokens": toks,
+                         "same_outputs": f"{same}/{len(prompts)}"}
+            tail = f"  ratio {out[tree]['ratio']:.3f}  same outputs {same}/{len(prompts)}"
+        else:
+            last = names[-1]
+            same = {n: f"{sum(a == b for a, b in zip(outputs[n], outputs[last]))}/{len(prompts)}" for n in names}
+            out[tree] = {"tok_s": rates, "ratio_to_" + last: {n: rates[n] / rates[last] for n in names},
+                         "tokens": toks, "same_outputs_as_" + last: same}
+            tail = "  x " + last + ": " + " ".join(f"{rates[n] / rates[last]:.3f}" for n in names)
         print(f"decode {tree}: " + "  ".join(f"{n} {r:.1f} tok/s" for n, r in rates.items())
-              + f"  ratio {out[tree]['ratio']:.3f}  same outputs {same}/{len(prompts)}  (batch {batch})", flush=True)
+              + tail + f"  (batch {batch})", flush=True)
         del engines
     return out
 

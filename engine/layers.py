@@ -80,7 +80,7 @@ class Linear(nn.Module):
         if self._skinny is not None and w.dtype == torch.bfloat16 and w.shape[0] % 32 == 0 and w.shape[1] % 2 == 0:
             self.native_weight = kernels.native().pack_bf16(w.data)
             self.native_max_rows = packed_max_rows(w.shape[1])
-        if _onednn_ok():
+        if _onednn_ok(w.dtype):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w.data, 1)
         return self._skinny is not None or self._packed is not None
 
@@ -94,8 +94,12 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-def _onednn_ok() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+def _onednn_ok(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's prepacked linear takes this dtype here: bf16 needs AVX-512 (BW, VL, DQ) or
+    AVX-NE-CONVERT, and refuses the weight otherwise (an AVX2-only CPU; F.linear then)."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 class RMSNorm(nn.Module):

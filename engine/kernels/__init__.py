@@ -1,13 +1,13 @@
 """Optional native CPU kernels, compiled on first use with torch's C++ extension loader.
 
-`native()` returns the compiled module or None (no AVX-512 / bf16 support, no compiler, or
-EAGLE_SERVE_NATIVE_KERNELS=0); callers then fall back to oneDNN / F.linear. The build is cached
+`native()` returns the compiled module or None (neither AVX-512 with bf16 nor AVX2 with FMA, no
+compiler, or EAGLE_SERVE_NATIVE_KERNELS=0); callers then fall back to oneDNN / F.linear. The build is cached
 under the torch extensions folder, so only the first start pays for it (~40 s).
 
 EAGLE_SERVE_NTA_STREAMS=1 / 0 (or true/false, yes/no, on/off) turns the non-temporal streaming of
 large weights on / off (default: on AMD CPUs only, where it measured faster; on an Intel Xeon it
-cost 45% of plain decoding's speed: engine/kernels/cpu_gemv.cpp). It applies to the AVX-512 loop
-only: products that run as AMX tiles (Intel, inputs a multiple of 32) do not stream that way.
+cost 45% of plain decoding's speed: engine/kernels/cpu_gemv.cpp). It applies to the AVX-512 and
+AVX2 loops only: products that run as AMX tiles (Intel, inputs a multiple of 32) do not stream that way.
 """
 from __future__ import annotations
 
@@ -17,7 +17,13 @@ import os
 import sys
 
 log = logging.getLogger(__name__)
-FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]  # -fopenmp: at::parallel_for is OpenMP inline code
+# The module is built for one of two instruction sets, the first this CPU has (the sources are
+# written once over simd.h's vector type). -fopenmp: at::parallel_for is OpenMP inline code.
+BUILDS = (  # (name, CPU flags it needs, compiler flags)
+    ("avx512", {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"},
+     ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]),
+    ("avx2", {"avx2", "fma"}, ["-O3", "-fopenmp", "-mavx2", "-mfma"]),
+)
 
 
 def cpu_flags() -> set[str]:
@@ -31,14 +37,27 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def isa():
+    """The build (name, CPU flags, compiler flags) of BUILDS this CPU runs, or None.
+    EAGLE_SERVE_NATIVE_ISA=avx2 picks the AVX2 build on a CPU that has both."""
+    want = os.environ.get("EAGLE_SERVE_NATIVE_ISA", "")
+    names = [b[0] for b in BUILDS]
+    if want and want not in names:
+        raise ValueError(f"EAGLE_SERVE_NATIVE_ISA={want!r}: expected one of {', '.join(names)}")
+    have = cpu_flags()
+    return next((b for b in BUILDS if b[1] <= have and want in ("", b[0])), None)
+
+
 @functools.cache
 def native():
     """The compiled module (skinny_linear, paged_attention, add_rms_norm) or None."""
     if os.environ.get("EAGLE_SERVE_NATIVE_KERNELS", "1") == "0":
         return None
-    if not {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= cpu_flags():
-        log.info("native CPU kernels need AVX-512 with bf16; using oneDNN / torch")
+    build = isa()
+    if build is None:
+        log.info("native CPU kernels need AVX-512 with bf16, or AVX2 with FMA; using oneDNN / torch")
         return None
+    name, _, flags = build
     try:
         from torch.utils.cpp_extension import load
         # the `ninja` wheel installs its binary next to the interpreter, maybe not on PATH
@@ -47,7 +66,8 @@ def native():
             os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
         here = os.path.dirname(__file__)
         sources = [os.path.join(here, f) for f in ("cpu_gemv.cpp", "cpu_attention.cpp", "cpu_decode.cpp")]
-        mod = load("eagle_serve_cpu_kernels", sources, extra_cflags=FLAGS, verbose=False)
+        suffix = "" if name == "avx512" else "_" + name  # one cached build per instruction set
+        mod = load("eagle_serve_cpu_kernels" + suffix, sources, extra_cflags=flags, verbose=False)
     except Exception as e:  # no compiler, no ninja, ...: fall back, loudly
         log.warning("native CPU kernels unavailable (%s); using oneDNN / torch", e)
         return None

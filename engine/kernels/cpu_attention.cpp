@@ -18,11 +18,11 @@
 
 namespace {
 
-using eagle_simd::load16;
+using namespace eagle_simd;
 
 // e^x for x <= 0 (an online softmax's x - max): eagle_simd::exp_ps, whose upper clamp never
 // applies here; below ~-104 it flushes to 0 as e^x does in float32.
-inline __m512 exp_nonpos(__m512 x) { return eagle_simd::exp_ps(x); }
+inline vf exp_nonpos(vf x) { return exp_ps(x); }
 
 constexpr int KEY_BLOCK = 16;
 // A query row's visible keys are cut into chunks of this many (a multiple of KEY_BLOCK), each
@@ -41,6 +41,7 @@ struct State {
   State at(int64_t g, int64_t D) const { return {m + g, denom + g, acc + g * D}; }
 };
 
+#if EAGLE_DPBF16
 // Sum of each of 16 vectors' 16 lanes, in lane b for v[b]: pairwise shuffles and adds (45
 // instructions for 16 sums, against ~8 for each horizontal reduction).
 inline __m512 sum16x16(const __m512* v) {
@@ -55,6 +56,7 @@ inline __m512 sum16x16(const __m512* v) {
   const __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88), _mm512_shuffle_f32x4(x[2], x[3], 0xdd));
   return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xdd));
 }
+#endif
 
 // GB query heads that share one KV head (GQA), one query row, over `slots` (the row's visible
 // keys of one chunk, in order): each head's online softmax state in float32, left unnormalised
@@ -70,11 +72,13 @@ template <typename T, int NV, int GB, bool DP>
 void attend_group(const T* q, const T* k_cache, const T* v_cache, const int64_t* slots, int64_t L, int64_t stride,
                   int64_t D, float scale, State out) {
   constexpr int NVA = NV > 0 ? NV : 16;
+  const int nv = NV > 0 ? NV : static_cast<int>(D / VL);
+  vf qv[GB][NVA], acc[GB][NVA], kv[NVA];
+#if EAGLE_DPBF16
   constexpr int NB = DP ? NV / 2 : 1;  // bf16 vectors of 32 per head (DP)
-  const int nv = NV > 0 ? NV : static_cast<int>(D / 16);
-  __m512 qv[GB][NVA], acc[GB][NVA], kv[NVA];
   __m512bh qb[GB][NB];
   __m512 part[GB][KEY_BLOCK];  // DP: each key's partial lanes
+#endif
   float m[GB], denom[GB];
   alignas(64) float sc[GB][KEY_BLOCK];
   alignas(64) float pr[GB][KEY_BLOCK];
@@ -82,17 +86,20 @@ void attend_group(const T* q, const T* k_cache, const T* v_cache, const int64_t*
     m[g] = -INFINITY;
     denom[g] = 0.f;
     for (int i = 0; i < nv; ++i) {
-      if constexpr (!DP) qv[g][i] = _mm512_mul_ps(load16(q + g * D + 16 * i), _mm512_set1_ps(scale));
-      acc[g][i] = _mm512_setzero_ps();
+      if constexpr (!DP) qv[g][i] = vmul(load16(q + g * D + VL * i), vset1(scale));
+      acc[g][i] = vzero();
     }
+#if EAGLE_DPBF16
     if constexpr (DP)
       for (int i = 0; i < NB; ++i) qb[g][i] = (__m512bh)_mm512_loadu_si512(q + g * D + 32 * i);
+#endif
   }
   for (int64_t j = 0; j < L; j += KEY_BLOCK) {
     const int n = static_cast<int>(std::min<int64_t>(KEY_BLOCK, L - j));
     const int64_t* vis = slots + j;
     for (int b = 0; b < n; ++b) {
       const T* k = k_cache + vis[b] * stride;
+#if EAGLE_DPBF16
       if constexpr (DP) {
         __m512bh kb[NB];
         for (int i = 0; i < NB; ++i) kb[i] = (__m512bh)_mm512_loadu_si512(k + 32 * i);
@@ -101,56 +108,58 @@ void attend_group(const T* q, const T* k_cache, const T* v_cache, const int64_t*
           for (int i = 1; i < NB; ++i) s = _mm512_dpbf16_ps(s, qb[g][i], kb[i]);
           part[g][b] = s;
         }
-      } else {
-        for (int i = 0; i < nv; ++i) kv[i] = load16(k + 16 * i);
+      } else
+#endif
+      {
+        for (int i = 0; i < nv; ++i) kv[i] = load16(k + VL * i);
         for (int g = 0; g < GB; ++g) {
-          __m512 s = _mm512_mul_ps(qv[g][0], kv[0]);
-          for (int i = 1; i < nv; ++i) s = _mm512_fmadd_ps(qv[g][i], kv[i], s);
-          sc[g][b] = _mm512_reduce_add_ps(s);
+          vf s = vmul(qv[g][0], kv[0]);
+          for (int i = 1; i < nv; ++i) s = vfmadd(qv[g][i], kv[i], s);
+          sc[g][b] = vsum(s);
         }
       }
     }
-    const __mmask16 live = n == KEY_BLOCK ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
     for (int g = 0; g < GB; ++g) {
-      __m512 s;
+      vf s;
+#if EAGLE_DPBF16
       if constexpr (DP) {
         for (int b = n; b < KEY_BLOCK; ++b) part[g][b] = _mm512_setzero_ps();
-        s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live,
+        s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), first_lanes(n),
                                _mm512_mul_ps(sum16x16(part[g]), _mm512_set1_ps(scale)));
-      } else {
-        s = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, sc[g]);
-      }
-      const float bmax = _mm512_reduce_max_ps(s);
+      } else
+#endif
+        s = load_first(sc[g], n, -INFINITY);
+      const float bmax = vmaxall(s);
       if (bmax > m[g]) {  // rescale what has been accumulated so far
         const float c = std::exp(m[g] - bmax);
         denom[g] *= c;
-        for (int i = 0; i < nv; ++i) acc[g][i] = _mm512_mul_ps(acc[g][i], _mm512_set1_ps(c));
+        for (int i = 0; i < nv; ++i) acc[g][i] = vmul(acc[g][i], vset1(c));
         m[g] = bmax;
       }
-      const __m512 p = _mm512_maskz_mov_ps(live, exp_nonpos(_mm512_sub_ps(s, _mm512_set1_ps(m[g]))));
-      _mm512_store_ps(pr[g], p);
-      denom[g] += _mm512_reduce_add_ps(p);
+      const vf p = keep_first(exp_nonpos(vsub(s, vset1(m[g]))), n);
+      store16(pr[g], p);
+      denom[g] += vsum(p);
     }
     for (int b = 0; b < n; ++b) {
       const T* v = v_cache + vis[b] * stride;
-      for (int i = 0; i < nv; ++i) kv[i] = load16(v + 16 * i);
+      for (int i = 0; i < nv; ++i) kv[i] = load16(v + VL * i);
       for (int g = 0; g < GB; ++g) {
-        const __m512 pb = _mm512_set1_ps(pr[g][b]);
-        for (int i = 0; i < nv; ++i) acc[g][i] = _mm512_fmadd_ps(pb, kv[i], acc[g][i]);
+        const vf pb = vset1(pr[g][b]);
+        for (int i = 0; i < nv; ++i) acc[g][i] = vfmadd(pb, kv[i], acc[g][i]);
       }
     }
   }
   for (int g = 0; g < GB; ++g) {
     out.m[g] = m[g];
     out.denom[g] = denom[g];
-    for (int i = 0; i < nv; ++i) _mm512_storeu_ps(out.acc + g * D + 16 * i, acc[g][i]);
+    for (int i = 0; i < nv; ++i) store16(out.acc + g * D + VL * i, acc[g][i]);
   }
 }
 
 template <typename T, int NV, int GB>
 inline void group(const T* q, const T* k_cache, const T* v_cache, const int64_t* slots, int64_t L, int64_t stride,
                   int64_t D, float scale, State out) {
-  constexpr bool dp = std::is_same_v<T, at::BFloat16> && NV > 0 && NV % 2 == 0;
+  constexpr bool dp = EAGLE_DPBF16 && std::is_same_v<T, at::BFloat16> && NV > 0 && NV % 2 == 0;
   attend_group<T, NV, GB, dp>(q, k_cache, v_cache, slots, L, stride, D, scale, out);
 }
 
@@ -200,12 +209,14 @@ void run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& v
       const int64_t* g = gp + sp[t] * L;
       row_slots[t] = dst;
       int64_t j = 0;
+#if EAGLE_DPBF16  // (AVX-512's compress; the AVX2 build takes the scalar loop below)
       for (; j + 8 <= L; j += 8) {  // 8 mask bytes -> the visible ones of 8 slots, packed
         const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mrow + j));
         const __mmask8 keep = static_cast<__mmask8>(_mm_test_epi8_mask(bytes, bytes));
         _mm512_storeu_si512(dst, _mm512_maskz_compress_epi64(keep, _mm512_loadu_si512(g + j)));
         dst += __builtin_popcount(keep);
       }
+#endif
       for (; j < L; ++j)
         if (mrow[j]) *dst++ = g[j];
       row_len[t] = dst - row_slots[t];

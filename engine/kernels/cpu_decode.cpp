@@ -26,9 +26,7 @@ extern thread_local bool stream_nta;
 
 namespace {
 
-using eagle_simd::exp_ps;
-using eagle_simd::load16;
-using eagle_simd::store16;
+using namespace eagle_simd;
 
 // Rotate-half RoPE in place on the first `heads` heads of each row of qkv [T, *]; cos, sin [T, D].
 template <typename T>
@@ -60,10 +58,10 @@ void silu_mul(const T* gu, T* out, int64_t rows, int64_t inter) {
     T* o = out + t * inter;
     int64_t i = 0;
     if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
-      for (; i + 16 <= inter; i += 16) {
-        const __m512 gv = load16(g + i);
-        const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-        store16(o + i, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)), load16(u + i)));
+      for (; i + VL <= inter; i += VL) {
+        const vf gv = load16(g + i);
+        const vf e = exp_ps(vsub(vzero(), gv));
+        store16(o + i, vmul(vdiv(gv, vadd(vset1(1.f), e)), load16(u + i)));
       }
     }
     for (; i < inter; ++i) {

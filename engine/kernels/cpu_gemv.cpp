@@ -34,6 +34,7 @@ inline float bf16_to_float(uint16_t h) {
 // Dot product of one weight row with one input row, streaming the row front to back (one
 // sequential stream per thread is what the hardware prefetcher follows best: measured 2x
 // over interleaving several rows). Two accumulators hide the FMA latency.
+#if EAGLE_DPBF16
 inline float dot_bf16(const uint16_t* x, const uint16_t* w, int64_t K) {
   __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
   int64_t k = 0;
@@ -63,6 +64,26 @@ inline float dot_f32(const float* x, const float* w, int64_t K) {
   }
   return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
 }
+#else  // AVX2 + FMA: the same streams in float32 (bf16 converted exactly), a scalar tail
+template <typename T>
+inline float dot_rows(const T* x, const T* w, int64_t K) {
+  using namespace eagle_simd;
+  vf a0 = vzero(), a1 = vzero();
+  int64_t k = 0;
+  for (; k + 2 * VL <= K; k += 2 * VL) {
+    a0 = vfmadd(load16(x + k), load16(w + k), a0);
+    a1 = vfmadd(load16(x + k + VL), load16(w + k + VL), a1);
+  }
+  for (; k + VL <= K; k += VL) a0 = vfmadd(load16(x + k), load16(w + k), a0);
+  float s = vsum(vadd(a0, a1));
+  for (; k < K; ++k) s += static_cast<float>(x[k]) * static_cast<float>(w[k]);
+  return s;
+}
+inline float dot_bf16(const uint16_t* x, const uint16_t* w, int64_t K) {
+  return dot_rows(reinterpret_cast<const at::BFloat16*>(x), reinterpret_cast<const at::BFloat16*>(w), K);
+}
+inline float dot_f32(const float* x, const float* w, int64_t K) { return dot_rows(x, w, K); }
+#endif
 
 // Packed bfloat16 weights for few-row products without horizontal sums. Layout [N / 32, K / 2, 64]:
 // for every tile of 32 outputs and every pair of inputs (k, k + 1), the 32 outputs' weight pairs
@@ -70,8 +91,7 @@ inline float dot_f32(const float* x, const float* w, int64_t K) {
 // broadcast to all lanes adds that pair's products to 16 outputs at once. A tile's weights are
 // one contiguous stream, read once for up to PACKED_TILE_M input rows held in registers. Every
 // output is one accumulator lane summed over k in order, whatever the number of rows, so a
-// row's result does not depend on the batch it came in.
-constexpr int PACKED_TILE_M = 8;
+// row's result does not depend on the batch it came in. (AVX2 builds: the loop further down.)
 // Software prefetch this many pairs of inputs (128 bytes of a tile's stream each) ahead: 8 KB.
 // The hardware prefetcher alone nearly keeps up with one input row, but with 3-16 rows
 // (a verify step's tree, a batch of sequences) the loop spends longer per line and the stream
@@ -104,6 +124,9 @@ bool nta_streams = (__builtin_cpu_init(), __builtin_cpu_is("amd"));  // the proc
 
 namespace {
 
+#if EAGLE_DPBF16
+using PackedIn = uint16_t;  // the inputs as the loop reads them: bf16 pairs
+constexpr int PACKED_TILE_M = 8;
 template <int MB, bool NTA>
 __attribute__((always_inline)) inline void packed_tile(const uint16_t* x, int64_t K, const uint16_t* wt, float* out) {
   __m512 a0[MB], a1[MB];
@@ -131,20 +154,52 @@ __attribute__((always_inline)) inline void packed_tile(const uint16_t* x, int64_
   }
 }
 
-template <bool NTA>
-inline void packed_rows(int mb, const uint16_t* x, int64_t K, const uint16_t* wt, float* out) {
-  switch (mb) {
-    case 1: packed_tile<1, NTA>(x, K, wt, out); break;
-    case 2: packed_tile<2, NTA>(x, K, wt, out); break;
-    case 3: packed_tile<3, NTA>(x, K, wt, out); break;
-    case 4: packed_tile<4, NTA>(x, K, wt, out); break;
-    case 5: packed_tile<5, NTA>(x, K, wt, out); break;
-    case 6: packed_tile<6, NTA>(x, K, wt, out); break;
-    case 7: packed_tile<7, NTA>(x, K, wt, out); break;
-    default: packed_tile<8, NTA>(x, K, wt, out); break;
+#else
+// AVX2 + FMA (no bf16 dot product): a pair's two weights share a 32-bit lane (w_k in the low
+// half, w_k+1 in the high), so w_k as float32 is the lane shifted left by 16 and w_k+1 the lane
+// with its low half cleared. Each row adds x_k * w_k, then x_k+1 * w_k+1, into its float32 lane
+// (two FMAs), in k order as the AVX-512 loop, so a row's result still does not depend on the
+// rows beside it. The inputs come converted to float32 once a call and are broadcast from
+// memory; 4 rows keep their 16 accumulators in the 16 vector registers (8 would spill).
+using PackedIn = float;
+template <int MB, bool NTA>
+__attribute__((always_inline)) inline void packed_tile(const float* x, int64_t K, const uint16_t* wt, float* out) {
+  __m256 acc[MB][4];
+#pragma GCC unroll 8
+  for (int j = 0; j < MB; ++j)
+    for (int i = 0; i < 4; ++i) acc[j][i] = _mm256_setzero_ps();
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  const int64_t K2 = K / 2;
+  for (int64_t kp = 0; kp < K2; ++kp) {
+    _mm_prefetch(reinterpret_cast<const char*>(wt + (kp + PREFETCH_PAIRS) * 64), NTA ? _MM_HINT_NTA : _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wt + (kp + PREFETCH_PAIRS) * 64 + 32), NTA ? _MM_HINT_NTA : _MM_HINT_T0);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wt + kp * 64 + 16 * i));
+      const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+      const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(raw, high));
+#pragma GCC unroll 8
+      for (int j = 0; j < MB; ++j) {
+        acc[j][i] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + j * K + 2 * kp), we, acc[j][i]);
+        acc[j][i] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + j * K + 2 * kp + 1), wo, acc[j][i]);
+      }
+    }
   }
+#pragma GCC unroll 8
+  for (int j = 0; j < MB; ++j)
+    for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + j * 32 + 8 * i, acc[j][i]);
 }
+constexpr int PACKED_TILE_M = 4;
+#endif
 
+// mb (1..PACKED_TILE_M) rows of one tile: the loop unrolled for exactly mb rows
+template <bool NTA, int MB = 1>
+inline void packed_rows(int mb, const PackedIn* x, int64_t K, const uint16_t* wt, float* out) {
+  if constexpr (MB < PACKED_TILE_M) {
+    if (mb > MB) return packed_rows<NTA, MB + 1>(mb, x, K, wt, out);
+  }
+  packed_tile<MB, NTA>(x, K, wt, out);
+}
 
 // Intel AMX (TDPBF16PS): the same packed layout read as tiles. A tile of B is 16 input pairs of
 // 16 outputs, i.e. one half (64 bytes) of 16 consecutive 128-byte rows of a 32-output tile, so
@@ -161,7 +216,9 @@ constexpr int AMX_ROWS = 16;
 // GCC 11 / clang 12 brought the AMX intrinsics (the assembler needs binutils 2.36); an older
 // compiler builds the module without this path, which then never runs
 #ifndef EAGLE_AMX
-#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
+#if !EAGLE_DPBF16  // the AVX2 build: tiles are for AVX-512 CPUs
+#define EAGLE_AMX 0
+#elif (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
 #define EAGLE_AMX 1
 #else
 #define EAGLE_AMX 0
@@ -263,22 +320,29 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& wp, con
   // rounds to nearest even like to_bf16 but flushes denormals to 0 and keeps a NaN's sign and
   // payload (to_bf16, which the row layout still uses, keeps denormals, NaN -> 0x7fc0).
   auto epilogue = [&](int64_t t, int64_t m, int mb, const float* out) {
-    const __m512 b0 = bp ? eagle_simd::load16(reinterpret_cast<const at::BFloat16*>(bp + t * 32)) : _mm512_setzero_ps();
-    const __m512 b1 = bp ? eagle_simd::load16(reinterpret_cast<const at::BFloat16*>(bp + t * 32 + 16)) : _mm512_setzero_ps();
+    using namespace eagle_simd;
+    const vf b0 = bp ? load16(reinterpret_cast<const at::BFloat16*>(bp + t * 32)) : vzero();
+    const vf b1 = bp ? load16(reinterpret_cast<const at::BFloat16*>(bp + t * 32 + 16)) : vzero();
     for (int j = 0; j < mb; ++j) {
-      const __m512 v0 = _mm512_add_ps(_mm512_loadu_ps(out + j * 32), b0);
-      const __m512 v1 = _mm512_add_ps(_mm512_loadu_ps(out + j * 32 + 16), b1);
+      const vf v0 = vadd(load16(out + j * 32), b0);
+      const vf v1 = vadd(load16(out + j * 32 + 16), b1);
       const int64_t at = (m + j) * N + t * 32;
       if (yf) {
-        _mm512_storeu_ps(yf + at, v0);
-        _mm512_storeu_ps(yf + at + 16, v1);
+        store16(yf + at, v0);
+        store16(yf + at + 16, v1);
       } else {
-        eagle_simd::store16(reinterpret_cast<at::BFloat16*>(yh + at), v0);
-        eagle_simd::store16(reinterpret_cast<at::BFloat16*>(yh + at + 16), v1);
+        store16(reinterpret_cast<at::BFloat16*>(yh + at), v0);
+        store16(reinterpret_cast<at::BFloat16*>(yh + at + 16), v1);
       }
     }
   };
-  // AMX tiles take up to AMX_ROWS rows a pass, the AVX-512 loop PACKED_TILE_M; the choice is per
+#if EAGLE_DPBF16
+  const PackedIn* xin = xp;
+#else
+  const torch::Tensor x32 = x.to(at::kFloat);  // the AVX2 loop broadcasts float32 inputs
+  const PackedIn* xin = x32.data_ptr<float>();
+#endif
+  // AMX tiles take up to AMX_ROWS rows a pass, the AVX-512 / AVX2 loop PACKED_TILE_M; the choice is per
   // weight (K), never per row count, so a row's result does not depend on the rows beside it
   const bool tiles = use_amx && K % 32 == 0;
   const int64_t block = tiles ? AMX_ROWS : PACKED_TILE_M;
@@ -293,9 +357,9 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& wp, con
           if (mb != configured) amx_configure(configured = mb);
           amx_tile(xp + m * K, K, wt, out);
         } else if (nta) {
-          packed_rows<true>(mb, xp + m * K, K, wt, out);
+          packed_rows<true>(mb, xin + m * K, K, wt, out);
         } else {
-          packed_rows<false>(mb, xp + m * K, K, wt, out);
+          packed_rows<false>(mb, xin + m * K, K, wt, out);
         }
         epilogue(t, m, mb, out);
       }
