@@ -23,6 +23,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from engine import kernels  # noqa: E402
+from engine.layers import _onednn_ok  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2-135M: qkv, o, gate_up, down
 HEAD = (49152, 576)
@@ -43,9 +44,10 @@ def weights(dtype: torch.dtype) -> list[torch.Tensor]:
 
 
 def paths(ws: list[torch.Tensor]) -> dict:
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in ws]
-    out = {"F.linear": lambda x, i: F.linear(x, ws[i]),
-           "onednn-prepacked": lambda x, i: torch.ops.mkldnn._linear_pointwise(x, packed[i], None, "none", [], "")}
+    out = {"F.linear": lambda x, i: F.linear(x, ws[i])}
+    if _onednn_ok(ws[0].dtype):  # (no bf16 prepacking on AVX2-only CPUs)
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in ws]
+        out["onednn-prepacked"] = lambda x, i: torch.ops.mkldnn._linear_pointwise(x, packed[i], None, "none", [], "")
     mod = kernels.native()
     if mod is not None:
         out["native-skinny"] = lambda x, i: mod.skinny_linear(x, ws[i], None)

@@ -69,6 +69,7 @@ class Linear(nn.Module):
         self._skinny = None
         self.native_weight: torch.Tensor | None = None  # what the native kernel reads (maybe packed)
         self.native_max_rows = 0  # inputs up to this many rows go to the native kernel
+        self.native_all_rows = False  # every input does: no oneDNN path for packed bf16 here
 
     def prepack(self, native: bool = True) -> bool:
         w = self.weight
@@ -82,12 +83,16 @@ class Linear(nn.Module):
             self.native_max_rows = packed_max_rows(w.shape[1])
         if _onednn_ok(w.dtype):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w.data, 1)
+        # Without oneDNN's bf16 GEMM (AVX2-only CPUs), F.linear in bf16 took 2.5-7.7x the time of
+        # float32's for 17-256 rows (bench/bench_linear.py on a Zen 3 EPYC, bench/results/linear_zen3.json);
+        # the packed kernel, a tile re-read from cache per 4 rows, keeps every row count
+        self.native_all_rows = self._packed is None and self.native_weight is not w.data
         return self._skinny is not None or self._packed is not None
 
     def forward(self, x: torch.Tensor, float_out: bool = False) -> torch.Tensor:
         """float_out: return float32 (where the native kernel runs, straight from its float32
         accumulator, not rounded through the weight dtype)."""
-        if max(x.shape[0], _rows_as) <= self.native_max_rows:
+        if self.native_all_rows or max(x.shape[0], _rows_as) <= self.native_max_rows:
             return self._skinny(x.contiguous(), self.native_weight, self.bias, float_out)
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")

@@ -52,8 +52,13 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if device.type == "cuda":
         return torch.bfloat16
     # Measured (bench/bench_decode.py): with native bf16 dot products, bf16 halves the bytes
-    # read per token and decodes ~2x faster than float32; without them bf16 is emulated.
-    return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+    # read per token and decodes ~2x faster than float32. Without them (AVX2-only CPUs) the native
+    # kernels' AVX2 build still reads bf16 weights at half the bytes, converting them in registers
+    # (bench/bench_isa.py on a Zen 3 EPYC: plain decoding 1.25x its float32, 2.8x float32 without
+    # native kernels); with neither, torch's bf16 is emulated.
+    from engine import kernels
+    fast = torch.ops.mkldnn._is_mkldnn_bf16_supported() or kernels.native() is not None
+    return torch.bfloat16 if fast else torch.float32
 
 
 def _memory_bytes(device: torch.device) -> int:

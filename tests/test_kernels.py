@@ -498,3 +498,76 @@ def test_packed_rows_limit_follows_amx_and_the_input_width():
         lin.weight.data = torch.randn(64, k).to(torch.bfloat16)
         lin.prepack()
         assert lin.native_max_rows == want
+
+
+@pytest.mark.skipif(native is None, reason="no native kernels on this CPU or no compiler")
+@pytest.mark.parametrize("n, k", [(960, 576), (64, 2880), (32, 100)])
+def test_packed_loop_rows_stand_alone_at_every_count(n, k):
+    """The packed bf16 loop without AMX tiles (AVX-512's 8 rows a block, or AVX2's 3 rows a block
+    going through the tile span by span; k = 2880: ragged spans, k = 100: one short span): every
+    row's result the same whatever rows come with it, for every prefix of 1..40 rows, and the
+    bf16 output the float32 sums rounded once to nearest even, as torch rounds them."""
+    gen = torch.Generator().manual_seed(n * 3 + k)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(torch.bfloat16)
+    b = torch.randn(n, generator=gen).to(torch.bfloat16)
+    wp = native.pack_bf16(w)
+    x = torch.randn(40, k, generator=gen).to(torch.bfloat16)
+    try:
+        if amx:
+            native.set_amx(False)
+        full = native.skinny_linear(x, wp, b, True)
+        torch.testing.assert_close(full.double(), F.linear(x.double(), w.double(), b.double()), rtol=0, atol=1e-4)
+        for m in range(1, 41):
+            assert torch.equal(native.skinny_linear(x[:m].contiguous(), wp, b, True), full[:m])
+        for i in (0, 2, 3, 39):
+            assert torch.equal(native.skinny_linear(x[i:i + 1].contiguous(), wp, b, True), full[i:i + 1])
+        assert torch.equal(native.skinny_linear(x, wp, b, False), full.to(torch.bfloat16))
+    finally:
+        if amx:
+            native.set_amx(True)
+
+
+@pytest.mark.skipif(native is None, reason="no native kernels on this CPU or no compiler")
+def test_bf16_linear_without_onednn_bf16_takes_every_row_natively():
+    """Where oneDNN cannot prepack bf16 (AVX2-only CPUs) a bf16 Linear sends every row count to
+    the packed native kernel (F.linear in bf16 is several times slower there), so a prompt's rows
+    each come out as they would alone; elsewhere oneDNN keeps the rows past the native limit."""
+    from engine.layers import _onednn_ok
+    lin = Linear(96, 64, bias=True)
+    gen = torch.Generator().manual_seed(5)
+    lin.weight.data = (torch.randn(64, 96, generator=gen) / 10).to(torch.bfloat16)
+    lin.bias.data = torch.randn(64, generator=gen).to(torch.bfloat16)
+    assert lin.prepack()
+    assert lin.native_all_rows == (not _onednn_ok(torch.bfloat16))
+    x = torch.randn(40, 96, generator=gen).to(torch.bfloat16)
+    out = lin(x)
+    torch.testing.assert_close(out.float(), F.linear(x.float(), lin.weight.float(), lin.bias.float()),
+                               rtol=3e-2, atol=3e-2)
+    if lin.native_all_rows:
+        assert torch.equal(out, torch.cat([lin(x[i:i + 1]) for i in range(40)]))
+
+
+def test_native_build_follows_the_cpu_flags(monkeypatch):
+    """The AVX-512 build where the CPU has AVX-512 with bf16 dot products, else the AVX2 build
+    where it has AVX2 and FMA (AVX-512 without bf16 included), else none;
+    EAGLE_SERVE_NATIVE_ISA picks a build the CPU has, and a name that is none is refused."""
+    avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
+    monkeypatch.delenv("EAGLE_SERVE_NATIVE_ISA", raising=False)
+    for flags, want in ((avx512 | {"avx2", "fma"}, "avx512"), ({"avx2", "fma", "avx512f", "avx512bw"}, "avx2"),
+                        ({"avx2", "fma"}, "avx2"), ({"avx2"}, None), (set(), None)):
+        monkeypatch.setattr(kernels, "cpu_flags", lambda flags=flags: flags)
+        got = kernels.isa()
+        assert (got and got[0]) == want
+        if want == "avx512":
+            assert "-mavx512bf16" in got[2]
+        if want == "avx2":
+            assert "-mfma" in got[2] and not any("avx512" in f for f in got[2])
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: avx512 | {"avx2", "fma"})
+    monkeypatch.setenv("EAGLE_SERVE_NATIVE_ISA", "avx2")
+    assert kernels.isa()[0] == "avx2"
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.setenv("EAGLE_SERVE_NATIVE_ISA", "avx512")
+    assert kernels.isa() is None
+    monkeypatch.setenv("EAGLE_SERVE_NATIVE_ISA", "avx9")
+    with pytest.raises(ValueError, match="EAGLE_SERVE_NATIVE_ISA='avx9': expected one of avx512, avx2"):
+        kernels.isa()

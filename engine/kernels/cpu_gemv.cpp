@@ -124,16 +124,27 @@ bool nta_streams = (__builtin_cpu_init(), __builtin_cpu_is("amd"));  // the proc
 
 namespace {
 
+// The input pairs [begin, end) of a tile that one call adds; first: its accumulators start at 0,
+// else at what `out` holds (an earlier span's sums: each lane still adds its pairs in k order)
+struct Span {
+  int64_t begin, end;
+  bool first;
+};
+
 #if EAGLE_DPBF16
 using PackedIn = uint16_t;  // the inputs as the loop reads them: bf16 pairs
 constexpr int PACKED_TILE_M = 8;
+constexpr int64_t SPAN_PAIRS = INT64_MAX;  // a tile's rows in blocks of 8 read it whole, block by block
 template <int MB, bool NTA>
-__attribute__((always_inline)) inline void packed_tile(const uint16_t* x, int64_t K, const uint16_t* wt, float* out) {
+__attribute__((always_inline)) inline void packed_tile(const uint16_t* x, int64_t K, const uint16_t* wt, Span sp,
+                                                       float* out) {
   __m512 a0[MB], a1[MB];
 #pragma GCC unroll 8
-  for (int j = 0; j < MB; ++j) a0[j] = a1[j] = _mm512_setzero_ps();
-  const int64_t K2 = K / 2;
-  for (int64_t kp = 0; kp < K2; ++kp) {
+  for (int j = 0; j < MB; ++j) {
+    a0[j] = sp.first ? _mm512_setzero_ps() : _mm512_loadu_ps(out + j * 32);
+    a1[j] = sp.first ? _mm512_setzero_ps() : _mm512_loadu_ps(out + j * 32 + 16);
+  }
+  for (int64_t kp = sp.begin; kp < sp.end; ++kp) {
     _mm_prefetch(reinterpret_cast<const char*>(wt + (kp + PREFETCH_PAIRS) * 64), NTA ? _MM_HINT_NTA : _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(wt + (kp + PREFETCH_PAIRS) * 64 + 32), NTA ? _MM_HINT_NTA : _MM_HINT_T0);
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wt + kp * 64);
@@ -160,17 +171,25 @@ __attribute__((always_inline)) inline void packed_tile(const uint16_t* x, int64_
 // with its low half cleared. Each row adds x_k * w_k, then x_k+1 * w_k+1, into its float32 lane
 // (two FMAs), in k order as the AVX-512 loop, so a row's result still does not depend on the
 // rows beside it. The inputs come converted to float32 once a call and are broadcast from
-// memory; 4 rows keep their 16 accumulators in the 16 vector registers (8 would spill).
+// memory. 3 rows a block: their 12 accumulators, the pair's two weight vectors and a broadcast fit
+// the 16 vector registers (4 rows spilled: bench/bench_linear.py on a Zen 3 EPYC, 64 rows over
+// the default model's layers 228 ms at 4 rows a block, 175 at 3).
+// More rows than a block go through the tile SPAN_PAIRS pairs (8 KB) at a time, every block of
+// rows over one span before the next, so the blocks after the first read the span from L1 while
+// the prefetches keep the tile streaming from memory (block after block over the whole tile, the
+// stream stopped while the later blocks computed from L2).
 using PackedIn = float;
+constexpr int PACKED_TILE_M = 3;
+constexpr int64_t SPAN_PAIRS = 64;
 template <int MB, bool NTA>
-__attribute__((always_inline)) inline void packed_tile(const float* x, int64_t K, const uint16_t* wt, float* out) {
+__attribute__((always_inline)) inline void packed_tile(const float* x, int64_t K, const uint16_t* wt, Span sp,
+                                                       float* out) {
   __m256 acc[MB][4];
 #pragma GCC unroll 8
   for (int j = 0; j < MB; ++j)
-    for (int i = 0; i < 4; ++i) acc[j][i] = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) acc[j][i] = sp.first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + j * 32 + 8 * i);
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
-  const int64_t K2 = K / 2;
-  for (int64_t kp = 0; kp < K2; ++kp) {
+  for (int64_t kp = sp.begin; kp < sp.end; ++kp) {
     _mm_prefetch(reinterpret_cast<const char*>(wt + (kp + PREFETCH_PAIRS) * 64), NTA ? _MM_HINT_NTA : _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(wt + (kp + PREFETCH_PAIRS) * 64 + 32), NTA ? _MM_HINT_NTA : _MM_HINT_T0);
 #pragma GCC unroll 4
@@ -189,16 +208,15 @@ __attribute__((always_inline)) inline void packed_tile(const float* x, int64_t K
   for (int j = 0; j < MB; ++j)
     for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + j * 32 + 8 * i, acc[j][i]);
 }
-constexpr int PACKED_TILE_M = 4;
 #endif
 
 // mb (1..PACKED_TILE_M) rows of one tile: the loop unrolled for exactly mb rows
 template <bool NTA, int MB = 1>
-inline void packed_rows(int mb, const PackedIn* x, int64_t K, const uint16_t* wt, float* out) {
+inline void packed_rows(int mb, const PackedIn* x, int64_t K, const uint16_t* wt, Span sp, float* out) {
   if constexpr (MB < PACKED_TILE_M) {
-    if (mb > MB) return packed_rows<NTA, MB + 1>(mb, x, K, wt, out);
+    if (mb > MB) return packed_rows<NTA, MB + 1>(mb, x, K, wt, sp, out);
   }
-  packed_tile<MB, NTA>(x, K, wt, out);
+  packed_tile<MB, NTA>(x, K, wt, sp, out);
 }
 
 // Intel AMX (TDPBF16PS): the same packed layout read as tiles. A tile of B is 16 input pairs of
@@ -346,23 +364,31 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& wp, con
   // weight (K), never per row count, so a row's result does not depend on the rows beside it
   const bool tiles = use_amx && K % 32 == 0;
   const int64_t block = tiles ? AMX_ROWS : PACKED_TILE_M;
+  const int64_t K2 = K / 2, span = std::min(SPAN_PAIRS, K2);
   at::parallel_for(0, N / 32, 2, [&](int64_t t0, int64_t t1) {
-    alignas(64) float out[std::max(AMX_ROWS, PACKED_TILE_M) * 32];
+    std::vector<float> sums(std::max<int64_t>(M, AMX_ROWS) * 32);  // every row's 32 sums of the tile
+    float* out = sums.data();
     int configured = 0;  // the rows this thread's tile configuration is for (0: none loaded)
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t m = 0; m < M; m += block) {
-        const int mb = static_cast<int>(std::min<int64_t>(block, M - m));
-        const uint16_t* wt = wpp + t * (K / 2) * 64;
-        if (tiles) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint16_t* wt = wpp + t * K2 * 64;
+      if (tiles) {
+        for (int64_t m = 0; m < M; m += block) {
+          const int mb = static_cast<int>(std::min<int64_t>(block, M - m));
           if (mb != configured) amx_configure(configured = mb);
           amx_tile(xp + m * K, K, wt, out);
-        } else if (nta) {
-          packed_rows<true>(mb, xin + m * K, K, wt, out);
-        } else {
-          packed_rows<false>(mb, xin + m * K, K, wt, out);
+          epilogue(t, m, mb, out);
         }
-        epilogue(t, m, mb, out);
+        continue;
       }
+      for (int64_t k0 = 0; k0 < K2; k0 += span)
+        for (int64_t m = 0; m < M; m += block) {
+          const int mb = static_cast<int>(std::min<int64_t>(block, M - m));
+          const Span sp{k0, std::min(K2, k0 + span), k0 == 0};
+          if (nta) packed_rows<true>(mb, xin + m * K, K, wt, sp, out + m * 32);
+          else packed_rows<false>(mb, xin + m * K, K, wt, sp, out + m * 32);
+        }
+      for (int64_t m = 0; m < M; m += block) epilogue(t, m, static_cast<int>(std::min<int64_t>(block, M - m)), out + m * 32);
+    }
     if (configured) amx_release();
   });
   return y;
