@@ -83,9 +83,9 @@ class Linear(nn.Module):
             self.native_max_rows = packed_max_rows(w.shape[1])
         if _onednn_ok(w.dtype):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w.data, 1)
-        # Without oneDNN's bf16 GEMM (AVX2-only CPUs), F.linear in bf16 took 2.5-7.7x the time of
-        # float32's for 17-256 rows (bench/bench_linear.py on a Zen 3 EPYC, bench/results/linear_zen3.json);
-        # the packed kernel, a tile re-read from cache per 4 rows, keeps every row count
+        # Without oneDNN's bf16 GEMM (AVX2-only CPUs) F.linear in bf16 took 3.0 / 4.6 / 6.0x oneDNN's
+        # float32 time for 17 / 64 / 256 rows, the packed kernel 0.56 / 0.80 / 1.02x (bench/bench_linear.py
+        # on a Zen 3 EPYC, bench/results/linear_zen3.json): it takes every row count there
         self.native_all_rows = self._packed is None and self.native_weight is not w.data
         return self._skinny is not None or self._packed is not None
 
