@@ -5,8 +5,10 @@ start-up measurement: a packed target forward plus the LM head over every row) r
 repetition, alternating:
 
   native  as the engine runs: the fused native stack with packed bf16 weights up to
-          PACKED_MAX_ROWS tokens, oneDNN beyond
-  onednn  the stack and the native linears switched off: the per-op Python path with oneDNN
+          PACKED_MAX_ROWS tokens (STACK_ALL_ROWS where oneDNN has no bf16), oneDNN beyond
+  onednn  the stack and the native linears' row limits switched off: the per-op Python path
+          with oneDNN (where oneDNN has no bf16, AVX2-only CPUs: with the packed native
+          linears, which take every row count there)
 
     .venv/bin/python bench/bench_verify_cost.py [--reps 2] [--max-tokens 32]
 Writes --out (bench/results/verify_cost.json): median ms by tokens for each mode.

@@ -78,15 +78,17 @@ class Linear(nn.Module):
         self._skinny = kernels.skinny_linear() if native else None
         self.native_weight = w.data
         self.native_max_rows = ROW_LAYOUT_MAX_ROWS if self._skinny is not None else 0
-        if self._skinny is not None and w.dtype == torch.bfloat16 and w.shape[0] % 32 == 0 and w.shape[1] % 2 == 0:
+        packed = self._skinny is not None and w.dtype == torch.bfloat16 and w.shape[0] % 32 == 0 and w.shape[1] % 2 == 0
+        if packed:
             self.native_weight = kernels.native().pack_bf16(w.data)
             self.native_max_rows = packed_max_rows(w.shape[1])
         if _onednn_ok(w.dtype):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w.data, 1)
         # Without oneDNN's bf16 GEMM (AVX2-only CPUs) F.linear in bf16 took 3.0 / 4.6 / 6.0x oneDNN's
         # float32 time for 17 / 64 / 256 rows, the packed kernel 0.56 / 0.80 / 1.02x (bench/bench_linear.py
-        # on a Zen 3 EPYC, bench/results/linear_zen3.json): it takes every row count there
-        self.native_all_rows = self._packed is None and self.native_weight is not w.data
+        # on a Zen 3 EPYC, bench/results/linear_zen3.json): it takes every row count there (packed
+        # weights only: the row layout, and F.linear without native kernels, keep their limits)
+        self.native_all_rows = packed and self._packed is None
         return self._skinny is not None or self._packed is not None
 
     def forward(self, x: torch.Tensor, float_out: bool = False) -> torch.Tensor:

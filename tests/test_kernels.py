@@ -528,23 +528,29 @@ def test_packed_loop_rows_stand_alone_at_every_count(n, k):
 
 
 @pytest.mark.skipif(native is None, reason="no native kernels on this CPU or no compiler")
-def test_bf16_linear_without_onednn_bf16_takes_every_row_natively():
-    """Where oneDNN cannot prepack bf16 (AVX2-only CPUs) a bf16 Linear sends every row count to
-    the packed native kernel (F.linear in bf16 is several times slower there), so a prompt's rows
-    each come out as they would alone; elsewhere oneDNN keeps the rows past the native limit."""
-    from engine.layers import _onednn_ok
-    lin = Linear(96, 64, bias=True)
+@pytest.mark.parametrize("onednn", [True, False])
+def test_bf16_linear_without_onednn_bf16_takes_every_row_natively(monkeypatch, onednn):
+    """Where oneDNN cannot prepack bf16 (AVX2-only CPUs; forced here) a bf16 Linear with packed
+    weights sends every row count to the native kernel (F.linear in bf16 is several times slower
+    there), so each row of a prompt comes out as it would alone; weights that cannot be packed
+    (200 outputs) and a Linear without native kernels keep their paths, and all of them run."""
+    import engine.layers as layers
+    if onednn and not layers._onednn_ok(torch.bfloat16):
+        pytest.skip("oneDNN has no bf16 on this CPU")
+    monkeypatch.setattr(layers, "_onednn_ok", lambda dtype: onednn or dtype != torch.bfloat16)
     gen = torch.Generator().manual_seed(5)
-    lin.weight.data = (torch.randn(64, 96, generator=gen) / 10).to(torch.bfloat16)
-    lin.bias.data = torch.randn(64, generator=gen).to(torch.bfloat16)
-    assert lin.prepack()
-    assert lin.native_all_rows == (not _onednn_ok(torch.bfloat16))
     x = torch.randn(40, 96, generator=gen).to(torch.bfloat16)
-    out = lin(x)
-    torch.testing.assert_close(out.float(), F.linear(x.float(), lin.weight.float(), lin.bias.float()),
-                               rtol=3e-2, atol=3e-2)
-    if lin.native_all_rows:
-        assert torch.equal(out, torch.cat([lin(x[i:i + 1]) for i in range(40)]))
+    for n, use_native, all_rows in ((64, True, not onednn), (200, True, False), (64, False, False)):
+        lin = Linear(96, n, bias=True)
+        lin.weight.data = (torch.randn(n, 96, generator=gen) / 10).to(torch.bfloat16)
+        lin.bias.data = torch.randn(n, generator=gen).to(torch.bfloat16)
+        assert lin.prepack(use_native) == (use_native or onednn)
+        assert lin.native_all_rows == all_rows
+        out = lin(x)
+        torch.testing.assert_close(out.float(), F.linear(x.float(), lin.weight.float(), lin.bias.float()),
+                                   rtol=3e-2, atol=3e-2)
+        if all_rows:
+            assert torch.equal(out, torch.cat([lin(x[i:i + 1]) for i in range(40)]))
 
 
 def test_native_build_follows_the_cpu_flags(monkeypatch):

@@ -107,7 +107,7 @@ constexpr int64_t PREFETCH_PAIRS = 64;
 // head's weights, the KV cache, the interpreter's own state. A stream counts as such when its
 // weights exceed STREAM_NTA_BYTES: one linear's (packed_linear), or a whole DecodeStack's, which
 // sets stream_nta for its forward. Whether any stream does is nta_streams (set_nta_streams):
-// by default on AMD CPUs only. The streams are a prefetch hint of the AVX-512 loop only: where
+// by default on AMD CPUs only. The streams are a prefetch hint of the AVX-512 and AVX2 loops only: where
 // the AMX path below runs (Intel, K % 32 == 0) they do not apply. On an AMD EPYC (Zen 5), against the temporal build side by side
 // (bench/bench_kernels_ab.py --rev 5800912 --skip-linear --trees none,3x1x2,4x2x2 --prompts 12,
 // bench/results/kernels_ab_nta.json): greedy decoding 1.05x, 1.03x with 3-token trees, 1.08x
@@ -169,7 +169,7 @@ __attribute__((always_inline)) inline void packed_tile(const uint16_t* x, int64_
 // AVX2 + FMA (no bf16 dot product): a pair's two weights share a 32-bit lane (w_k in the low
 // half, w_k+1 in the high), so w_k as float32 is the lane shifted left by 16 and w_k+1 the lane
 // with its low half cleared. Each row adds x_k * w_k, then x_k+1 * w_k+1, into its float32 lane
-// (two FMAs), in k order as the AVX-512 loop, so a row's result still does not depend on the
+// (two FMAs), in k order, so a row's result does not depend on the
 // rows beside it. The inputs come converted to float32 once a call and are broadcast from
 // memory. 3 rows a block: their 12 accumulators, the pair's two weight vectors and a broadcast fit
 // the 16 vector registers (4 rows spilled: bench/bench_linear.py on a Zen 3 EPYC, 64 rows over
@@ -330,8 +330,8 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& wp, con
   auto bp = bias ? reinterpret_cast<const uint16_t*>(bias->data_ptr<at::BFloat16>()) : nullptr;
   float* yf = float_out ? y.data_ptr<float>() : nullptr;
   uint16_t* yh = float_out ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  // (only where each tile is read once: past PACKED_TILE_M rows a tile is read again per 8 rows,
-  // and the second read should find it in L2)
+  // (only where each tile is read once: past PACKED_TILE_M rows a tile is read again per block of
+  // rows, from L2, or from L1 span by span in the AVX2 loop, and should find it there)
   const bool nta = nta_streams && (stream_nta || wp.numel() * 2 > STREAM_NTA_BYTES) && M <= PACKED_TILE_M;
   // out[j][32] of a tile -> y, plus the bias, in 16-lane vectors (scalar, it took 12.4 ms of
   // 16 rows over all layers against 10.8 vectorised: scratch bench_linear runs). VCVTNEPS2BF16
@@ -366,8 +366,10 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& wp, con
   const int64_t block = tiles ? AMX_ROWS : PACKED_TILE_M;
   const int64_t K2 = K / 2, span = std::min(SPAN_PAIRS, K2);
   at::parallel_for(0, N / 32, 2, [&](int64_t t0, int64_t t1) {
-    std::vector<float> sums(std::max<int64_t>(M, AMX_ROWS) * 32);  // every row's 32 sums of the tile
-    float* out = sums.data();
+    // every row's 32 sums of the tile: on the stack up to 32 rows (decode, trees, AMX's 16), zeroed
+    alignas(64) float few[32 * 32] = {};
+    std::vector<float> many(M > 32 ? M * 32 : 0);
+    float* out = M > 32 ? many.data() : few;
     int configured = 0;  // the rows this thread's tile configuration is for (0: none loaded)
     for (int64_t t = t0; t < t1; ++t) {
       const uint16_t* wt = wpp + t * K2 * 64;

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionBackend
+from engine.attention import AttentionBackend, NativeCPUAttention
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVCache
 from engine import kernels
@@ -144,6 +144,9 @@ class LlamaForCausalLM(nn.Module):
                                     self.model.rotary)
 
 
+STACK_ALL_ROWS = NativeCPUAttention.MAX_QUERIES  # a stack's rows where its linears take any number
+
+
 def native_stack(layers, final_norm, cfg: ModelConfig, dtype: torch.dtype, native: bool = True):
     """(the native DecodeStack over prepacked `layers`, the most rows a call may carry: what
     their linears take natively), or (None, 0) where the native kernels cannot run them. A layer
@@ -152,7 +155,10 @@ def native_stack(layers, final_norm, cfg: ModelConfig, dtype: torch.dtype, nativ
     mod = kernels.native() if native else None
     if mod is None or cfg.mlp_bias or dtype not in FAST_DTYPES:
         return None, 0
-    rows = min(m.native_max_rows for layer in layers for m in layer.modules() if isinstance(m, Linear))
+    linears = [m for layer in layers for m in layer.modules() if isinstance(m, Linear)]
+    # linears that take every row count natively (no oneDNN bf16 here): the stack takes as many
+    # rows as the native attention kernel does, past which the Python path's SDPA takes them
+    rows = STACK_ALL_ROWS if all(m.native_all_rows for m in linears) else min(m.native_max_rows for m in linears)
     none = torch.empty(0)
     bias = lambda lin: lin.bias.data if lin.bias is not None else none  # noqa: E731
     norm = lambda n: n.weight.data if isinstance(n, RMSNorm) else none  # noqa: E731
