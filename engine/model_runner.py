@@ -54,8 +54,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     # Measured (bench/bench_decode.py): with native bf16 dot products, bf16 halves the bytes
     # read per token and decodes ~2x faster than float32. Without them (AVX2-only CPUs) the native
     # kernels' AVX2 build still reads bf16 weights at half the bytes, converting them in registers
-    # (bench/bench_isa.py on a Zen 3 EPYC: plain decoding 1.25x its float32, 2.8x float32 without
-    # native kernels); with neither, torch's bf16 is emulated.
+    # (bench/bench_isa.py on a Zen 3 EPYC, bench/results/isa_zen3.json: plain decoding 1.6x its
+    # float32, 3.3x float32 without native kernels); with neither, torch's bf16 is emulated.
     from engine import kernels
     fast = torch.ops.mkldnn._is_mkldnn_bf16_supported() or kernels.native() is not None
     return torch.bfloat16 if fast else torch.float32

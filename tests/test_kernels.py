@@ -13,7 +13,7 @@ from engine.layers import SKINNY_MAX_ROWS, Linear
 native = kernels.native()
 
 
-@pytest.mark.skipif(native is None, reason="no AVX-512 bf16 CPU or no compiler")
+@pytest.mark.skipif(native is None, reason="no native kernels on this CPU or no compiler")
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 # up to 4 rows: one weight row at a time; more: 2 x 4 register tiles, with ragged edges in m, n, k
 @pytest.mark.parametrize("m, k, n", [(1, 576, 960), (2, 64, 8), (3, 100, 13), (4, 1536, 37), (1, 7, 1),
@@ -63,7 +63,7 @@ def _qkv(T: int, dtype, gen):
             torch.randn(T, Hkv, D, generator=gen).to(dtype))
 
 
-@pytest.mark.skipif(native is None, reason="no AVX-512 bf16 CPU or no compiler")
+@pytest.mark.skipif(native is None, reason="no native kernels on this CPU or no compiler")
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_native_paged_attention_matches_torch_backend(dtype, tol):
     """Packed batch: a decode, a tree and a short chunk, GQA, shuffled blocks, vs the torch path."""
@@ -87,7 +87,7 @@ def test_native_paged_attention_matches_torch_backend(dtype, tol):
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
-@pytest.mark.skipif(native is None, reason="no AVX-512 bf16 CPU or no compiler")
+@pytest.mark.skipif(native is None, reason="no native kernels on this CPU or no compiler")
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_native_paged_attention_long_contexts_match_torch_backend(dtype, tol):
     """Rows whose keys span different numbers of chunks (128 keys each) in one batch: a tree over
@@ -108,7 +108,7 @@ def test_native_paged_attention_long_contexts_match_torch_backend(dtype, tol):
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
-@pytest.mark.skipif(native is None, reason="no AVX-512 bf16 CPU or no compiler")
+@pytest.mark.skipif(native is None, reason="no native kernels on this CPU or no compiler")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [1, 15, 16, 37, 300])  # 300: several key chunks (CHUNK 128), merged
 # head dims with compiled register layouts (32, 64, 128) and the run-time one (48); 1-8 query
@@ -142,7 +142,7 @@ def test_native_paged_attention_depends_only_on_the_visible_keys(dtype, n, H, Hk
     torch.testing.assert_close(contiguous.double(), want, rtol=tol, atol=tol)
 
 
-@pytest.mark.skipif(native is None, reason="no AVX-512 bf16 CPU or no compiler")
+@pytest.mark.skipif(native is None, reason="no native kernels on this CPU or no compiler")
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_mixed_prefill_and_decode_batch_matches_torch_backend(dtype, tol):
     """Continuous batching: a 100-token prefill chunk (past the native kernel's query limit)
@@ -164,7 +164,7 @@ def test_mixed_prefill_and_decode_batch_matches_torch_backend(dtype, tol):
     torch.testing.assert_close(kv_b.data, kv_a.data)
 
 
-@pytest.mark.skipif(native is None, reason="no AVX-512 bf16 CPU or no compiler")
+@pytest.mark.skipif(native is None, reason="no native kernels on this CPU or no compiler")
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_fused_add_rms_norm(dtype, tol):
     from engine.layers import RMSNorm
@@ -178,7 +178,7 @@ def test_fused_add_rms_norm(dtype, tol):
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
 
 
-@pytest.mark.skipif(native is None, reason="no AVX-512 bf16 CPU or no compiler")
+@pytest.mark.skipif(native is None, reason="no native kernels on this CPU or no compiler")
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 6e-2)])
 @pytest.mark.parametrize("aux", [(), (0,)])
 def test_native_decode_stack_matches_python_forward(tiny_llama, dtype, tol, aux):
@@ -205,7 +205,9 @@ def test_native_decode_stack_matches_python_forward(tiny_llama, dtype, tol, aux)
         model._stack = stack if use_stack else None
         with torch.inference_mode():
             prefill = build_forward_batch([SeqSpan(p, 0, b) for p, b in zip(prompts, blocks)], 4, torch.device("cpu"))
-            model(prefill, kv, backend)  # > 4 tokens: the Python path either way
+            # 25 rows: the Python path, except in bf16 where oneDNN has no bf16 (the stack then takes
+            # up to STACK_ALL_ROWS rows)
+            model(prefill, kv, backend)
             step = build_forward_batch([SeqSpan([40], len(prompts[0]), blocks[0]), SeqSpan([41], len(prompts[1]), blocks[1])],
                                        4, torch.device("cpu"))
             two = model(step, kv, backend)
@@ -222,7 +224,7 @@ def test_native_decode_stack_matches_python_forward(tiny_llama, dtype, tol, aux)
         torch.testing.assert_close(a, b, rtol=tol, atol=tol)
 
 
-@pytest.mark.skipif(native is None, reason="no AVX-512 bf16 CPU or no compiler")
+@pytest.mark.skipif(native is None, reason="no native kernels on this CPU or no compiler")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("rows", [1, 5])
 def test_native_aux_norm_matches_the_torch_expression(dtype, tol, rows):
@@ -241,7 +243,7 @@ def test_native_aux_norm_matches_the_torch_expression(dtype, tol, rows):
     torch.testing.assert_close(aux_norm(x, n, eps).detach().double(), ref, rtol=tol, atol=tol)
 
 
-@pytest.mark.skipif(native is None, reason="no AVX-512 bf16 CPU or no compiler")
+@pytest.mark.skipif(native is None, reason="no native kernels on this CPU or no compiler")
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 6e-2)])
 def test_native_stack_silu_lanes_tail_and_large_gates(tmp_path, dtype, tol):
     """The stack's vectorised SiLU x up: an intermediate size that leaves a scalar tail (40 = 2 x
@@ -273,7 +275,7 @@ def test_native_stack_silu_lanes_tail_and_large_gates(tmp_path, dtype, tol):
     torch.testing.assert_close(outs[0] / scale, outs[1] / scale, rtol=tol, atol=tol)
 
 
-@pytest.mark.skipif(native is None, reason="no AVX-512 bf16 CPU or no compiler")
+@pytest.mark.skipif(native is None, reason="no native kernels on this CPU or no compiler")
 def test_skinny_float_out_keeps_the_accumulator():
     """The LM head's logits come out in float32 straight from the accumulator: no bf16 rounding
     (which at |logit| ~ 25 has steps of 0.125 and turns near-ties into exact ties)."""
@@ -288,7 +290,7 @@ def test_skinny_float_out_keeps_the_accumulator():
     assert (rounded - ref).abs().max() > 10 * (got.double() - ref).abs().max()
 
 
-@pytest.mark.skipif(native is None, reason="no AVX-512 bf16 CPU or no compiler")
+@pytest.mark.skipif(native is None, reason="no native kernels on this CPU or no compiler")
 @pytest.mark.parametrize("m, k, n", [(1, 576, 960), (3, 64, 32), (8, 1536, 64), (9, 100, 96), (17, 576, 32)])
 def test_packed_bf16_linear_matches_reference_and_is_row_independent(m, k, n):
     """pack_bf16 + skinny_linear: the float64 product within bf16 tolerance, and each row's
@@ -311,7 +313,7 @@ def test_packed_bf16_linear_matches_reference_and_is_row_independent(m, k, n):
         native.pack_bf16(w[: n - 1].contiguous() if n > 32 else torch.zeros(31, k, dtype=torch.bfloat16))
 
 
-@pytest.mark.skipif(native is None, reason="no AVX-512 bf16 CPU or no compiler")
+@pytest.mark.skipif(native is None, reason="no native kernels on this CPU or no compiler")
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
 def test_native_head_stack_matches_python_forward(tiny_llama, tmp_path, dtype, tol):
     """The EAGLE head's layer as a one-layer native stack (no input norm, no final norm) gives
@@ -363,7 +365,7 @@ def test_native_head_stack_matches_python_forward(tiny_llama, tmp_path, dtype, t
     assert ((seen_all - outs[0][2]).norm() / outs[0][2].norm()).item() > 10 * tol
 
 
-@pytest.mark.skipif(native is None, reason="no AVX-512 bf16 CPU or no compiler")
+@pytest.mark.skipif(native is None, reason="no native kernels on this CPU or no compiler")
 @pytest.mark.parametrize("spec", ["none", "ngram"])
 def test_a_cached_prompt_reruns_bit_identical_in_bf16(tiny_llama, spec):
     # A rerun computes only the tail a prefix-cache hit leaves, in a forward of a few rows, which
@@ -391,7 +393,7 @@ def test_a_cached_prompt_reruns_bit_identical_in_bf16(tiny_llama, spec):
         assert [(x.logprob, x.top) for x in again.logprobs] == [(x.logprob, x.top) for x in first.logprobs]
 
 
-@pytest.mark.skipif(native is None, reason="no AVX-512 bf16 CPU or no compiler")
+@pytest.mark.skipif(native is None, reason="no native kernels on this CPU or no compiler")
 def test_nta_streams_switch_default_by_vendor_and_same_numbers():
     """Non-temporal streams are a prefetch hint only: on or off, a large linear (over 16 MB, the
     streamed size) gives the same bits. The default is on for AMD CPUs only (it nearly halved
@@ -472,7 +474,7 @@ def test_amx_products_match_reference_and_each_row_stands_alone(n, k):
         native.set_amx(True)
 
 
-@pytest.mark.skipif(native is None, reason="no AVX-512 bf16 CPU or no compiler")
+@pytest.mark.skipif(native is None, reason="no native kernels on this CPU or no compiler")
 def test_amx_switch_refused_without_amx():
     if amx:
         try:
@@ -486,7 +488,7 @@ def test_amx_switch_refused_without_amx():
             native.set_amx(True)
 
 
-@pytest.mark.skipif(native is None, reason="no AVX-512 bf16 CPU or no compiler")
+@pytest.mark.skipif(native is None, reason="no native kernels on this CPU or no compiler")
 def test_packed_rows_limit_follows_amx_and_the_input_width():
     """32 rows natively only where AMX tiles take the weight (inputs a multiple of 32), else 16;
     a decode stack takes what its linears all take."""
