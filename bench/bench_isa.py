@@ -25,7 +25,6 @@ sys.path.insert(0, HERE)
 
 import bench_decode as bd  # noqa: E402  (puts the project root on sys.path)
 import bench_kernels_ab as ab  # noqa: E402
-import torch  # noqa: E402
 
 from engine import kernels  # noqa: E402
 
@@ -38,10 +37,7 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float32,bfloat16", help="the native build's dtypes")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "isa.json"))
     args = ap.parse_args()
-    torch.set_num_threads(torch.get_num_threads())
-    mod = kernels.native()
-    if mod is None:
-        sys.exit("no native kernel build runs on this machine")
+    mod = ab.native_or_exit()
     isa = kernels.isa()[0]
     mods, dtypes = {}, {}
     for dt in args.dtypes.split(","):

@@ -79,6 +79,15 @@ def build_rev(rev: str):
     return sha, mod, tmp
 
 
+def native_or_exit():
+    """This machine's native kernel module (the process's thread count pinned first), or exit."""
+    torch.set_num_threads(torch.get_num_threads())
+    mod = kernels.native()
+    if mod is None:
+        sys.exit("the native kernels are unavailable on this machine")
+    return mod
+
+
 @contextlib.contextmanager
 def using(mod):
     """engine.kernels.native() answers `mod` inside the block."""
@@ -212,10 +221,7 @@ def main() -> None:
     ap.add_argument("--skip-linear", action="store_true")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "kernels_ab.json"))
     args = ap.parse_args()
-    torch.set_num_threads(torch.get_num_threads())
-    new = kernels.native()
-    if new is None:
-        sys.exit("the native kernels are unavailable on this machine")
+    new = native_or_exit()
     sha, old, tmp = build_rev(args.rev)
     mods = {f"rev-{sha}": old, "worktree": new}
     for flag, setter in (("nta", "set_nta_streams"), ("amx", "set_amx")):
