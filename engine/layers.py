@@ -78,7 +78,8 @@ class Linear(nn.Module):
         self._skinny = kernels.skinny_linear() if native else None
         self.native_weight = w.data
         self.native_max_rows = ROW_LAYOUT_MAX_ROWS if self._skinny is not None else 0
-        packed = self._skinny is not None and w.dtype == torch.bfloat16 and w.shape[0] % 32 == 0 and w.shape[1] % 2 == 0
+        packed = (self._skinny is not None and w.dtype == torch.bfloat16 and w.shape[0] % 32 == 0
+                  and w.shape[1] % 2 == 0 and w.shape[1] > 0)
         if packed:
             self.native_weight = kernels.native().pack_bf16(w.data)
             self.native_max_rows = packed_max_rows(w.shape[1])

@@ -58,7 +58,9 @@ def native():
         return None
     build = isa()
     if build is None:
-        log.info("native CPU kernels need AVX-512 with bf16, or AVX2 with FMA; using oneDNN / torch")
+        want = os.environ.get("EAGLE_SERVE_NATIVE_ISA")
+        log.info("native CPU kernels need %s; using oneDNN / torch",
+                 f"the {want} build's CPU flags (EAGLE_SERVE_NATIVE_ISA)" if want else "AVX-512 with bf16, or AVX2 with FMA")
         return None
     name, _, flags = build
     try:

@@ -173,7 +173,7 @@ __attribute__((always_inline)) inline void packed_tile(const uint16_t* x, int64_
 // rows beside it. The inputs come converted to float32 once a call and are broadcast from
 // memory. 3 rows a block: their 12 accumulators, the pair's two weight vectors and a broadcast fit
 // the 16 vector registers (4 rows spilled: bench/bench_linear.py on a Zen 3 EPYC, 64 rows over
-// the default model's layers 228 ms at 4 rows a block, 175 at 3).
+// the default model's layers 228 ms at 4 rows a block, 175 at 3, in two scratch runs).
 // More rows than a block go through the tile SPAN_PAIRS pairs (8 KB) at a time, every block of
 // rows over one span before the next, so the blocks after the first read the span from L1 while
 // the prefetches keep the tile streaming from memory (block after block over the whole tile, the
@@ -312,7 +312,7 @@ bool use_amx = amx_available;  // the process-wide switch (set_amx)
 torch::Tensor pack_bf16(torch::Tensor w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.is_contiguous(), "w: contiguous bf16 [N, K]");
   const int64_t N = w.size(0), K = w.size(1);
-  TORCH_CHECK(N % 32 == 0 && K % 2 == 0, "packing needs N % 32 == 0 and even K");
+  TORCH_CHECK(N % 32 == 0 && K % 2 == 0 && K > 0, "packing needs N % 32 == 0 and even K > 0");
   // [N, K] -> [N/32, 32, K/2, 2] -> [N/32, K/2, 32, 2]
   return w.view({N / 32, 32, K / 2, 2}).permute({0, 2, 1, 3}).contiguous().view({N / 32, K / 2, 64});
 }
@@ -366,8 +366,9 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& wp, con
   const int64_t block = tiles ? AMX_ROWS : PACKED_TILE_M;
   const int64_t K2 = K / 2, span = std::min(SPAN_PAIRS, K2);
   at::parallel_for(0, N / 32, 2, [&](int64_t t0, int64_t t1) {
-    // every row's 32 sums of the tile: on the stack up to 32 rows (decode, trees, AMX's 16), zeroed
-    alignas(64) float few[32 * 32] = {};
+    // every row's 32 sums of the tile: on the stack up to 32 rows (decode, trees, AMX's 16); a
+    // tile's first span (K > 0: pack_bf16) writes them all before anything reads them
+    alignas(64) float few[32 * 32];
     std::vector<float> many(M > 32 ? M * 32 : 0);
     float* out = M > 32 ? many.data() : few;
     int configured = 0;  // the rows this thread's tile configuration is for (0: none loaded)
