@@ -86,6 +86,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "and min_gain_one)")
     ap.add_argument("--full-vocab", action="store_true",
                     help="also the first eagle2 shape with the head's reduced draft vocabulary switched off")
+    ap.add_argument("--draft-quantization", default="auto",
+                    help="the head's weights in every eagle2 row (EngineConfig.draft_quantization: auto, int8, none)")
+    ap.add_argument("--compare-quantization", default=None,
+                    help="also every eagle2 shape with the head's weights so (e.g. none: its bf16 weights), "
+                         "named '<row>-q<value>', in the same alternating run")
     ap.add_argument("--python-head", action="store_true",
                     help="also the first eagle2 shape with the head's native one-layer stack switched off "
                          "(its layer through Python-level torch ops, as before the stack)")
@@ -171,7 +176,7 @@ def phase_snapshot(timings) -> tuple[float, float, float, int]:
 def spec_system(spec: SpecConfig, args, budget: bool = False, full_vocab: bool = False,
                 python_head: bool = False, guard_z: float | None = None,
                 min_gain: float | None = None, draft: str | None = None,
-                profile_context: int | None = None) -> bd.System:
+                profile_context: int | None = None, quantization: str | None = None) -> bd.System:
     """Our engine with `spec` (a fixed tree, or the tree budget, guard_z / min_gain: its guard's
     margin / the model's required gain where not the defaults); run() adds the request's spec
     counters and phase seconds."""
@@ -180,7 +185,8 @@ def spec_system(spec: SpecConfig, args, budget: bool = False, full_vocab: bool =
         engine_profile.PROFILE_CONTEXT = profile_context
     try:
         llm = LLM(None, dtype=args.dtype, spec=spec, draft=(draft or args.draft) if spec.uses_head else None,
-                  kv_cache_tokens=KV_CACHE_TOKENS, tree_budget=budget)
+                  kv_cache_tokens=KV_CACHE_TOKENS, tree_budget=budget,
+                  **({"draft_quantization": quantization or args.draft_quantization} if spec.uses_head else {}))
     finally:
         engine_profile.PROFILE_CONTEXT = saved
     if guard_z is not None:
@@ -214,6 +220,7 @@ def spec_system(spec: SpecConfig, args, budget: bool = False, full_vocab: bool =
     info = {"spec": {k: getattr(spec, k) for k in ("method", "total_tokens", "depth", "top_k")},
             "max_depth": spec.max_depth, "draft": llm.engine_config.draft, "eos_token_ids": sorted(eos),
             "tree_budget": budget, "full_vocab": full_vocab, "python_head": python_head,
+            "draft_int8": llm.runner.draft_int8,
             "guard_z": llm.budget.guard_z if llm.budget is not None else None,
             "min_gain": llm.budget.min_gain if llm.budget is not None else None,
             "profile_context": profile_context if profile_context is not None else engine_profile.PROFILE_CONTEXT,
@@ -222,6 +229,7 @@ def spec_system(spec: SpecConfig, args, budget: bool = False, full_vocab: bool =
             + ("-pyhead" if python_head else "") + (f"-z{guard_z:g}" if guard_z is not None else "")
             + (f"-mg{min_gain:g}" if min_gain is not None else "")
             + (f"-ctx{profile_context}" if profile_context is not None else "")
+            + (f"-q{quantization}" if quantization is not None else "")
             + (f"@{os.path.basename(os.path.normpath(draft))}" if draft else ""))
     return bd.System(name, "ours", args.dtype, run, info)
 
@@ -251,6 +259,9 @@ def build_systems(args, eos_id: int) -> list[bd.System]:
         systems += [spec_system(spec, args, full_vocab=True) for spec in specs if spec.method == "eagle2"][:1]
     if args.python_head and args.draft:
         systems += [spec_system(spec, args, python_head=True) for spec in specs if spec.method == "eagle2"][:1]
+    if args.compare_quantization:
+        systems += [spec_system(spec, args, quantization=args.compare_quantization) for spec in specs
+                    if spec.method == "eagle2"]
     budgets = [b.strip() for b in (args.budget or "").split(",") if b.strip()]
     if budgets and args.draft:
         systems += [spec_system(spec_from_shape("eagle2", b), args, budget=True) for b in budgets]

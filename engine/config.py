@@ -10,6 +10,8 @@ DEVICES = ("auto", "cpu", "cuda")
 # auto: flash on CUDA when flash-attn imports (else torch), native on the CPU where its kernels
 # build (else torch); see engine.attention.make_backend
 ATTENTIONS = ("auto", "torch", "native", "flash")
+# a draft head's weights on the CPU: auto = int8 where the native kernels run (Linear.quantize_int8)
+DRAFT_QUANTIZATIONS = ("auto", "int8", "none")
 ENV_TRUE, ENV_FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
@@ -41,6 +43,9 @@ class EngineConfig:
     tree_budget: bool = True  # size each round's trees by the load-aware budget (speculation only)
     skip_tokenizer: bool = False
     draft: str | None = None  # EAGLE head directory
+    # the head's weights as int8 for its few-row products (CPU, native kernels; drafting only
+    # proposes, so the output does not change): one of DRAFT_QUANTIZATIONS
+    draft_quantization: str = "auto"
     # None: eagle2 where a draft head is given, else none (as the CLI); a method name is its defaults
     spec: SpecConfig | str | None = None
     # CUDA only (engine/cuda_graphs.py, docs/gpu.md): replay captured graphs for decode / verify steps
@@ -61,6 +66,11 @@ class EngineConfig:
         if self.draft is not None and spec.method in ("ngram", "none"):
             raise ValueError(f"a draft head does not apply to spec {spec.method!r} (eagle2 and eagle1 read one)")
         object.__setattr__(self, "spec", spec)
+        if self.draft_quantization not in DRAFT_QUANTIZATIONS:
+            raise ValueError(f"draft_quantization must be one of {DRAFT_QUANTIZATIONS}, got {self.draft_quantization!r}")
+        if self.draft_quantization != "auto" and not spec.uses_head:
+            raise ValueError(f"draft_quantization {self.draft_quantization!r} applies to an EAGLE draft head "
+                             f"(spec {spec.method!r} has none)")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.device not in DEVICES and not self.device.startswith("cuda:"):

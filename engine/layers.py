@@ -24,6 +24,12 @@ PACKED_MAX_ROWS = 16
 AMX_PACKED_MAX_ROWS = 32
 ROW_LAYOUT_MAX_ROWS = 4
 SKINNY_MAX_ROWS = PACKED_MAX_ROWS  # the most rows the native paths take on every CPU they run on
+# Up to how many rows a draft head's int8 weights (Linear.quantize_int8) take an input. The int8
+# loop widens every weight to float32 and does one FMA a weight and row, so past a few rows it is
+# compute-bound where packed bf16 (AMX) is not: the head's seven products on a 2-core Xeon
+# (scratch runs, 2 threads, right after a 400 MB stream) 0.64 / 0.74 / 0.81 / 0.75 ms int8 against
+# 0.89 / 0.84 / 0.90 / 0.91 bf16 at 1 / 2 / 3 / 4 rows, 1.03 against 0.95 at 6, 1.82 against 1.06 at 16.
+INT8_MAX_ROWS = 4
 
 
 def packed_max_rows(in_features: int) -> int:
@@ -70,9 +76,12 @@ class Linear(nn.Module):
         self.native_weight: torch.Tensor | None = None  # what the native kernel reads (maybe packed)
         self.native_max_rows = 0  # inputs up to this many rows go to the native kernel
         self.native_all_rows = False  # every input does: no oneDNN path for packed bf16 here
+        self.int8_weight: torch.Tensor | None = None  # quantize_int8's weights (draft heads)
+        self.int8_max_rows = 0  # inputs up to this many rows go to them
 
     def prepack(self, native: bool = True) -> bool:
         w = self.weight
+        self.int8_weight, self.int8_max_rows = None, 0
         if w.device.type != "cpu" or w.dtype not in FAST_DTYPES:
             return False
         self._skinny = kernels.skinny_linear() if native else None
@@ -92,9 +101,25 @@ class Linear(nn.Module):
         self.native_all_rows = packed and self._packed is None
         return self._skinny is not None or self._packed is not None
 
+    def quantize_int8(self, max_rows: int) -> bool:
+        """Int8 weights with a float32 scale per output (the native kernel's pack_int8) for inputs
+        of up to `max_rows` rows, after prepack(); more rows keep the prepacked paths. For draft
+        heads only: their numbers are proposals the target verifies, so rounding the weights to
+        int8 cannot change the output, only how often drafts are accepted. Needs the native
+        kernels and out_features % 64 == 0; returns whether it applied."""
+        mod = kernels.native()
+        if (self._skinny is None or mod is None or not hasattr(mod, "pack_int8")
+                or self.weight.shape[0] % 64 or self.weight.shape[1] == 0):
+            return False
+        self.int8_weight = mod.pack_int8(self.weight.data)
+        self.int8_max_rows = max_rows
+        return True
+
     def forward(self, x: torch.Tensor, float_out: bool = False) -> torch.Tensor:
         """float_out: return float32 (where the native kernel runs, straight from its float32
         accumulator, not rounded through the weight dtype)."""
+        if self.int8_weight is not None and x.shape[0] <= self.int8_max_rows:
+            return self._skinny(x.contiguous(), self.int8_weight, self.bias, float_out)
         if self.native_all_rows or max(x.shape[0], _rows_as) <= self.native_max_rows:
             return self._skinny(x.contiguous(), self.native_weight, self.bias, float_out)
         if self._packed is not None:

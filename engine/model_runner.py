@@ -7,11 +7,13 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import kernels
 from engine.attention import make_backend
 from engine.config import EngineConfig
 from engine.cuda_graphs import GraphRunner, scratch_blocks
 from engine.forward_batch import SeqSpan
 from engine.kv_cache import KVCache
+from engine.layers import FAST_DTYPES
 from engine.loader import LoadedModel, load_model
 from engine.sampler import Picks, PicksView, SampleRow
 from engine.spec.accept import walk
@@ -86,6 +88,7 @@ class ModelRunner:
         self.max_model_len = self._max_model_len()
         self.backend = make_backend(cfg.head_dim ** -0.5, self.device, self.dtype, config.attention)
         self.spec = config.spec
+        self.draft_int8 = False  # whether the draft head keeps int8 weights (_draft_int8)
         self.drafter = self._make_drafter()
         self.timings = PhaseTimes()
         self.graphs = GraphRunner.for_runner(self)  # CUDA graphs for decode / verify; eager on the CPU
@@ -131,13 +134,26 @@ class ModelRunner:
                              f"has none: use --spec ngram or --spec none")
         from engine.spec.eagle_drafter import EagleDrafter
         from engine.spec.eagle_head import load_eagle_head
+        int8 = self._draft_int8()
         head = load_eagle_head(self.config.draft, self.model, self.dtype).to(self.device)
         if self.device.type == "cpu":
-            head.prepack()
+            head.prepack(int8=int8)
         # a fused-feature head reads the target's features [f ; aux]: every forward returns them
         self.model.set_aux_layers(head.aux_layers)
         return EagleDrafter(head, self.model, spec, self.num_blocks, self.config.block_size, self.dtype, self.device,
                             self.config.attention)
+
+    def _draft_int8(self) -> bool:
+        """Whether the head keeps int8 weights (EngineConfig.draft_quantization): auto where the
+        native CPU kernels run in float32 / bfloat16; int8 where they cannot is refused."""
+        mod = kernels.native() if self.device.type == "cpu" and self.dtype in FAST_DTYPES else None
+        able = mod is not None and hasattr(mod, "pack_int8")
+        q = self.config.draft_quantization
+        if q == "int8" and not able:
+            raise ValueError("draft_quantization int8 needs the native CPU kernels (float32 or bfloat16 on the CPU); "
+                             "use auto or none")
+        self.draft_int8 = able and q in ("auto", "int8")
+        return self.draft_int8
 
     @property
     def catchup_seconds(self) -> float:

@@ -7,7 +7,7 @@ import os
 import sys
 import time
 
-from engine.config import ATTENTIONS, DEVICES, DTYPES, env_flag
+from engine.config import ATTENTIONS, DEVICES, DRAFT_QUANTIZATIONS, DTYPES, env_flag
 from engine.spec.config import METHODS
 
 
@@ -35,6 +35,9 @@ def _add_engine_args(p: argparse.ArgumentParser, batch: bool = True) -> None:
     p.add_argument("--depth", type=int, default=None, help="draft depth per round")
     p.add_argument("--top-k", type=int, default=None, help="children expanded per tree node (eagle2)")
     p.add_argument("--static-tree", default=None, help="JSON file: list of child-rank paths (eagle1)")
+    p.add_argument("--draft-quantization", default="auto", choices=DRAFT_QUANTIZATIONS,
+                   help="the EAGLE head's weights for its few-row products: int8 (auto: on the CPU where the "
+                        "native kernels run; drafts are only proposals, so the output does not change) or none")
     p.add_argument("--fixed-tree", action="store_true",
                    help="verify the configured tree every round (default: the load-aware tree budget sizes it)")
     p.add_argument("--no-prefix-caching", action="store_true")
@@ -306,7 +309,7 @@ def cmd_generate(args) -> int:
 
 
 def engine_kwargs(args) -> dict:
-    return dict(tree_budget=not args.fixed_tree, enable_prefix_caching=not args.no_prefix_caching, attention=args.attention,
+    return dict(tree_budget=not args.fixed_tree, draft_quantization=args.draft_quantization, enable_prefix_caching=not args.no_prefix_caching, attention=args.attention,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_prefill_chunk=args.max_prefill_chunk, cuda_graphs=not args.no_cuda_graphs,
                 gpu_memory_utilization=args.gpu_memory_utilization)

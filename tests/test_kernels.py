@@ -315,10 +315,12 @@ def test_packed_bf16_linear_matches_reference_and_is_row_independent(m, k, n):
 
 @pytest.mark.skipif(native is None, reason="no native kernels on this CPU or no compiler")
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
-def test_native_head_stack_matches_python_forward(tiny_llama, tmp_path, dtype, tol):
+@pytest.mark.parametrize("int8", [False, True])
+def test_native_head_stack_matches_python_forward(tiny_llama, tmp_path, dtype, tol, int8):
     """The EAGLE head's layer as a one-layer native stack (no input norm, no final norm) gives
     the Python path's features and draft KV: pairs consumed by two sequences, then a frontier
-    over masked scratch keys, as drafting feeds it."""
+    over masked scratch keys, as drafting feeds it; with int8 weights (every call here has at
+    most INT8_MAX_ROWS rows) both paths read them."""
     from engine.attention import make_backend
     from engine.forward_batch import SeqSpan, build_forward_batch
     from engine.kv_cache import KVCache
@@ -329,8 +331,9 @@ def test_native_head_stack_matches_python_forward(tiny_llama, tmp_path, dtype, t
     target = load_model(tiny_llama[0], dtype, torch.device("cpu"), skip_tokenizer=True).model
     target.prepack()
     head = load_eagle_head(write_eagle_head(str(tmp_path / "head"), tiny_llama[0], std=0.2), target, dtype)
-    head.prepack()
+    head.prepack(int8=int8)
     assert head._stack is not None and head._stack_max_rows >= 4
+    assert all((m.int8_weight is not None) == int8 for m in head.modules() if isinstance(m, Linear))
     cfg = head.config
     backend = make_backend(cfg.head_dim ** -0.5, torch.device("cpu"), dtype)
     rotary = _rotary(cfg)
@@ -579,3 +582,65 @@ def test_native_build_follows_the_cpu_flags(monkeypatch):
     monkeypatch.setenv("EAGLE_SERVE_NATIVE_ISA", "avx9")
     with pytest.raises(ValueError, match="EAGLE_SERVE_NATIVE_ISA='avx9': expected one of avx512, avx2"):
         kernels.isa()
+
+
+@pytest.mark.skipif(native is None, reason="no native kernels on this CPU or no compiler")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("k", [1, 33, 576])
+def test_int8_linear_matches_its_dequantized_weights(dtype, k):
+    """pack_int8 rounds each weight to the nearest step of its row's scale (max |w| / 127; an
+    all-zero row stays zero) and the int8 product is the float32 product with those weights,
+    for any row count, bias and output dtype."""
+    gen = torch.Generator().manual_seed(5)
+    n = 128
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
+    w[3] = 0
+    wq = native.pack_int8(w)
+    assert wq.dtype == torch.int8 and tuple(wq.shape) == (n // 64, k + 4, 64)
+    wd = native.unpack_int8(wq)
+    step = w.float().abs().amax(1, keepdim=True) / 127
+    assert ((wd - w.float()).abs() <= step / 2 * (1 + 1e-5) + 1e-12).all()
+    assert torch.equal(wd[3], torch.zeros(k))
+    for m in range(1, 10):
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        b = torch.randn(n, generator=gen).to(dtype)
+        ref = x.double() @ wd.double().T + b.double()
+        got = native.skinny_linear(x, wq, b, True)
+        assert got.dtype == torch.float32
+        assert (got.double() - ref).abs().max().item() < 1e-5 * (1 + ref.abs().max().item())
+        out = native.skinny_linear(x, wq, None, False)
+        assert out.dtype == dtype
+        assert torch.allclose(out.double(), ref - b.double(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-3)
+    with pytest.raises(RuntimeError, match="N % 64"):
+        native.pack_int8(w[:96].contiguous())
+    with pytest.raises(RuntimeError, match="does not match"):
+        native.skinny_linear(torch.randn(2, k + 1).to(dtype), wq, None, False)
+
+
+@pytest.mark.skipif(native is None, reason="no native kernels on this CPU or no compiler")
+def test_linear_int8_weights_take_few_rows_and_leave_more_to_the_packed_path():
+    from engine.layers import INT8_MAX_ROWS
+    gen = torch.Generator().manual_seed(6)
+    w = (torch.randn(128, 576, generator=gen) * 0.05).to(torch.bfloat16)
+    b = torch.randn(128, generator=gen).to(torch.bfloat16)
+    lin, ref = Linear(576, 128, bias=True), Linear(576, 128, bias=True)
+    for m in (lin, ref):
+        m.weight.data, m.bias.data = w.clone(), b.clone()
+        m.prepack()
+    assert lin.quantize_int8(INT8_MAX_ROWS)
+    wd = native.unpack_int8(lin.int8_weight)
+    for rows in range(1, INT8_MAX_ROWS + 3):
+        x = torch.randn(rows, 576, generator=gen).to(torch.bfloat16)
+        got = lin(x, float_out=True)
+        if rows <= INT8_MAX_ROWS:
+            want = x.double() @ wd.double().T + b.double()
+            assert (got.double() - want).abs().max().item() < 1e-4
+            assert not torch.equal(got, ref(x, float_out=True))  # the int8 weights, not the bf16 ones
+        else:
+            assert torch.equal(got, ref(x, float_out=True))
+    lin.prepack()  # prepacking again drops them
+    assert lin.int8_weight is None
+    odd = Linear(576, 96)
+    odd.weight.data = torch.randn(96, 576).to(torch.bfloat16)
+    odd.prepack()
+    assert not odd.quantize_int8(INT8_MAX_ROWS) and odd.int8_weight is None

@@ -6,7 +6,9 @@ import random
 import pytest
 import torch
 
+from engine import kernels
 from engine.forward_batch import SeqSpan, build_forward_batch
+from engine.layers import Linear
 from engine.sampling_params import SamplingParams
 from engine.spec.accept import walk
 from engine.spec.config import SpecConfig
@@ -444,3 +446,50 @@ def test_one_token_prompt_chunks_are_not_drafted(tiny_llama, head_dir, method):
     want = [o.token_ids for o in LLM(tiny_llama[0], **KW).generate(five, greedy)]
     tight = LLM(tiny_llama[0], draft=draft, spec=spec, max_num_batched_tokens=7, max_prefill_chunk=4, **KW)
     assert [o.token_ids for o in tight.generate(five, greedy)] == want
+
+
+# ---- int8 draft-head weights (session 36) ----------------------------------------------------
+
+@pytest.mark.skipif(kernels.native() is None, reason="no native kernels on this CPU or no compiler")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_int8_draft_head_keeps_speculation_lossless(tiny_llama, head_dir, dtype):
+    """A head with int8 weights (the CPU default) drafts through them, its native stack included,
+    and greedy and seeded sampled outputs stay those of plain decoding (bf16 too: the target's
+    trees run through the same row-independent kernels as its plain steps, as long as a round's
+    rows stay within the native kernels' limit, 16 without AMX: so one request at a time there)."""
+    kw = dict(KW, dtype=dtype)
+    ps = prompts(5, seed=11)
+    greedy = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (24, 9, 30, 1, 17)]
+    sampled = [SamplingParams(max_tokens=20, temperature=t, top_p=tp, seed=i, ignore_eos=True)
+               for i, (t, tp) in enumerate([(0.8, 1.0), (1.2, 0.9), (0.5, 1.0), (1.0, 0.7), (0.9, 0.95)])]
+    def run(llm, params):
+        if dtype == "float32":
+            return [o.token_ids for o in llm.generate(ps, params)]
+        return [llm.generate(p, q)[0].token_ids for p, q in zip(ps, params)]
+    plain_llm = LLM(tiny_llama[0], **kw)
+    ref_g, ref_s = run(plain_llm, greedy), run(plain_llm, sampled)
+    spec = SpecConfig("eagle2", total_tokens=6, depth=3, top_k=2)
+    llm = LLM(tiny_llama[0], draft=head_dir, spec=spec, **kw)  # draft_quantization auto
+    head = llm.runner.drafter.head
+    assert llm.runner.draft_int8
+    assert all(m.int8_weight is not None for m in head.modules() if isinstance(m, Linear))
+    assert run(llm, greedy) == ref_g
+    assert llm.generate(ps[0], greedy[0])[0].spec.verify_steps > 0
+    assert run(llm, sampled) == ref_s
+    assert llm.allocator.num_free_blocks == llm.allocator.num_blocks
+    off = LLM(tiny_llama[0], draft=head_dir, spec=spec, draft_quantization="none", **kw)
+    assert not off.runner.draft_int8
+    assert all(m.int8_weight is None for m in off.runner.drafter.head.modules() if isinstance(m, Linear))
+    assert run(off, greedy) == ref_g
+
+
+def test_draft_quantization_is_checked(tiny_llama, head_dir):
+    from engine.config import EngineConfig
+    with pytest.raises(ValueError, match="draft_quantization must be one of"):
+        EngineConfig(draft=head_dir, draft_quantization="fp8")
+    with pytest.raises(ValueError, match="applies to an EAGLE draft head"):
+        EngineConfig(spec="ngram", draft_quantization="int8")
+    # float64 has no native kernels: int8 is refused, not ignored; auto then keeps the head as it is
+    with pytest.raises(ValueError, match="int8 needs the native CPU kernels"):
+        LLM(tiny_llama[0], draft=head_dir, spec=SpecConfig("eagle2"), draft_quantization="int8", **KW)
+    assert not LLM(tiny_llama[0], draft=head_dir, spec=SpecConfig("eagle2"), **KW).runner.draft_int8

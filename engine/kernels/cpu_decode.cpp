@@ -71,6 +71,13 @@ void silu_mul(const T* gu, T* out, int64_t rows, int64_t inter) {
   }
 }
 
+// A linear's inputs from the weight the native kernels read: [N, K], pack_bf16's [N/32, K/2, 64]
+// or pack_int8's [N/64, K + 4, 64]
+int64_t in_features(const torch::Tensor& w) {
+  if (w.dim() != 3) return w.size(1);
+  return w.scalar_type() == at::kChar ? w.size(1) - 4 : w.size(1) * 2;
+}
+
 c10::optional<torch::Tensor> opt(const torch::Tensor& t) {
   return t.defined() && t.numel() ? c10::optional<torch::Tensor>(t) : c10::nullopt;
 }
@@ -79,6 +86,10 @@ c10::optional<torch::Tensor> opt(const torch::Tensor& t) {
 
 struct DecodeStack {
   std::vector<torch::Tensor> in_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, down;
+  // a draft head's int8 weights (pack_int8; an undefined tensor: that linear keeps the above),
+  // for calls of up to int8_rows rows (set_int8)
+  std::vector<torch::Tensor> qkv8, o8, gate_up8, down8;
+  int64_t int8_rows = 0;
   torch::Tensor final_norm;
   std::vector<int64_t> aux_layers;
   int64_t heads, kv_heads, head_dim, inter;
@@ -90,7 +101,7 @@ struct DecodeStack {
               int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale)
       : in_norm(in_norm), qkv(qkv), qkv_bias(qkv_bias), o(o), o_bias(o_bias), post_norm(post_norm),
         gate_up(gate_up), down(down), final_norm(final_norm), heads(heads), kv_heads(kv_heads),
-        head_dim(head_dim), inter(down[0].dim() == 3 ? down[0].size(1) * 2 : down[0].size(1)), eps(eps),
+        head_dim(head_dim), inter(in_features(down[0])), eps(eps),
         scale(scale) {
     for (const auto* ws : {&qkv, &o, &gate_up, &down})
       for (const auto& w : *ws) weight_bytes += w.numel() * w.element_size();
@@ -102,6 +113,10 @@ struct DecodeStack {
                         torch::Tensor kv_lens, torch::Tensor q_seq, torch::Tensor q_row, torch::Tensor mask,
                         torch::Tensor cos, torch::Tensor sin) {
     const int64_t T = h.size(0), D = head_dim, q_size = heads * D, kv_size = kv_heads * D;
+    const bool int8 = T <= int8_rows;
+    auto pick = [&](const std::vector<torch::Tensor>& w, const std::vector<torch::Tensor>& w8, size_t l) -> const torch::Tensor& {
+      return int8 && w8[l].defined() ? w8[l] : w[l];
+    };
     struct Streaming {  // the linears below see stream_nta; the previous value comes back however forward ends
       bool before = stream_nta;
       explicit Streaming(bool on) { stream_nta = on; }
@@ -114,7 +129,7 @@ struct DecodeStack {
     for (size_t l = 0; l < qkv.size(); ++l) {
       // delta is 0 for layer 0; an empty norm weight means no input norm (the EAGLE head's layer)
       torch::Tensor x = in_norm[l].numel() ? add_rms_norm(residual, delta, in_norm[l], eps) : residual.add_(delta);
-      torch::Tensor fused = skinny_linear(x, qkv[l], opt(qkv_bias[l]), false);  // [T, q + 2 kv]
+      torch::Tensor fused = skinny_linear(x, pick(qkv, qkv8, l), opt(qkv_bias[l]), false);  // [T, q + 2 kv]
       AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, h.scalar_type(), "rope", [&] {
         rope_inplace<scalar_t>(fused.data_ptr<scalar_t>(), T, q_size + 2 * kv_size, heads + kv_heads, D,
                                cos.data_ptr<float>(), sin.data_ptr<float>());
@@ -126,13 +141,13 @@ struct DecodeStack {
       v_cache.index_copy_(0, slot_mapping, v);
       torch::Tensor q = fused.narrow(1, 0, q_size).reshape({T, heads, D}).contiguous();
       torch::Tensor attn = paged_attention(q, k_cache, v_cache, kv_gather, kv_lens, q_seq, q_row, mask, scale);
-      torch::Tensor out = skinny_linear(attn.contiguous(), o[l], opt(o_bias[l]), false);
+      torch::Tensor out = skinny_linear(attn.contiguous(), pick(o, o8, l), opt(o_bias[l]), false);
       x = add_rms_norm(residual, out, post_norm[l], eps);
-      torch::Tensor gu = skinny_linear(x, gate_up[l], c10::nullopt, false);
+      torch::Tensor gu = skinny_linear(x, pick(gate_up, gate_up8, l), c10::nullopt, false);
       AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, h.scalar_type(), "silu_mul", [&] {
         silu_mul<scalar_t>(gu.data_ptr<scalar_t>(), act.data_ptr<scalar_t>(), T, inter);
       });
-      delta = skinny_linear(act, down[l], c10::nullopt, false);
+      delta = skinny_linear(act, pick(down, down8, l), c10::nullopt, false);
       for (size_t j = 0; j < aux_layers.size(); ++j)
         if (aux_layers[j] == static_cast<int64_t>(l)) aux[j] = delta + residual;  // the layer's output
     }
@@ -141,6 +156,23 @@ struct DecodeStack {
     if (aux_layers.empty()) return out;
     aux.insert(aux.begin(), out);
     return torch::cat(aux, 1);
+  }
+
+  // Int8 weights per linear (each list one per layer; an undefined or empty tensor: none) for
+  // calls of up to max_rows rows; more rows keep the weights the stack was built with.
+  void set_int8(std::vector<torch::Tensor> q, std::vector<torch::Tensor> o_, std::vector<torch::Tensor> gu,
+                std::vector<torch::Tensor> d, int64_t max_rows) {
+    for (const auto* ws : {&q, &o_, &gu, &d}) {
+      TORCH_CHECK(ws->size() == qkv.size(), "set_int8: one weight per layer");
+      for (const auto& w : *ws)
+        TORCH_CHECK(!w.defined() || !w.numel() || (w.dim() == 3 && w.scalar_type() == at::kChar), "set_int8: pack_int8 weights");
+    }
+    auto keep = [](std::vector<torch::Tensor> ws) {
+      for (auto& w : ws) if (w.defined() && !w.numel()) w = torch::Tensor();
+      return ws;
+    };
+    qkv8 = keep(q), o8 = keep(o_), gate_up8 = keep(gu), down8 = keep(d);
+    int8_rows = max_rows;
   }
 
   void set_aux(std::vector<int64_t> layers) {
@@ -156,5 +188,6 @@ void register_decode_stack(pybind11::module& m) {
                           std::vector<torch::Tensor>, std::vector<torch::Tensor>, torch::Tensor, int64_t, int64_t,
                           int64_t, double, double>())
       .def("forward", &DecodeStack::forward)
-      .def("set_aux", &DecodeStack::set_aux);
+      .def("set_aux", &DecodeStack::set_aux)
+      .def("set_int8", &DecodeStack::set_int8);
 }

@@ -397,7 +397,139 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& wp, con
   return y;
 }
 
+// Int8 weights for draft heads (pack_int8): [N/64, K + 4, 64] int8. For every tile of 64 outputs,
+// K rows of their 64 weights (one 64-byte line per input k), then their 64 float32 scales (256
+// bytes): w[n, k] ~ q[n, k] * scale[n], symmetric, scale = max |w[n, :]| / 127 per output. A draft
+// head reads its ~20 MB of weights once a draft level, from memory right after the target's
+// stream; int8 halves those bytes. The products are float32: each weight widened exactly, times
+// the float32 input, summed in k order, the scale applied once at the end (no input quantisation).
+// Drafting is a proposal only: the target verifies every token, so the head's rounding never
+// reaches the output.
+constexpr int INT8_TILE = 64;
+#if EAGLE_DPBF16
+constexpr int INT8_TILE_M = 4;  // 16 accumulators + 4 weight vectors of 32 registers
+#else
+constexpr int INT8_TILE_M = 1;  // AVX2: 8 accumulators (two halves each) of 16 registers
+#endif
+
+namespace {
+
+template <int MB>
+__attribute__((always_inline)) inline void int8_tile(const float* x, int64_t K, const int8_t* wt, float* out) {
+  using namespace eagle_simd;
+  vf acc[MB][4];
+#pragma GCC unroll 8
+  for (int j = 0; j < MB; ++j)
+    for (int i = 0; i < 4; ++i) acc[j][i] = vzero();
+  for (int64_t k = 0; k < K; ++k) {
+    const int8_t* w = wt + k * INT8_TILE;
+    _mm_prefetch(reinterpret_cast<const char*>(w + 16 * INT8_TILE), _MM_HINT_T0);  // 1 KB ahead
+#if EAGLE_DPBF16
+    const vf w0 = load16(w), w1 = load16(w + 16), w2 = load16(w + 32), w3 = load16(w + 48);
+#pragma GCC unroll 8
+    for (int j = 0; j < MB; ++j) {
+      const vf xb = vset1(x[j * K + k]);
+      acc[j][0] = vfmadd(xb, w0, acc[j][0]);
+      acc[j][1] = vfmadd(xb, w1, acc[j][1]);
+      acc[j][2] = vfmadd(xb, w2, acc[j][2]);
+      acc[j][3] = vfmadd(xb, w3, acc[j][3]);
+    }
+#else
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      const vf wi = load16(w + 16 * i);
+#pragma GCC unroll 8
+      for (int j = 0; j < MB; ++j) acc[j][i] = vfmadd(vset1(x[j * K + k]), wi, acc[j][i]);
+    }
+#endif
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < MB; ++j)
+    for (int i = 0; i < 4; ++i) store16(out + j * INT8_TILE + 16 * i, acc[j][i]);
+}
+
+template <int MB = 1>
+inline void int8_rows(int mb, const float* x, int64_t K, const int8_t* wt, float* out) {
+  if constexpr (MB < INT8_TILE_M) {
+    if (mb > MB) return int8_rows<MB + 1>(mb, x, K, wt, out);
+  }
+  int8_tile<MB>(x, K, wt, out);
+}
+
+}  // namespace
+
+torch::Tensor pack_int8(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kFloat),
+              "w: bf16 or float32 [N, K]");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(N % INT8_TILE == 0 && K > 0, "int8 packing needs N % 64 == 0 and K > 0");
+  const auto wf = w.to(at::kFloat);
+  auto scale = wf.abs().amax({1}).div(127.0);
+  scale = torch::where(scale > 0, scale, torch::ones_like(scale));  // an all-zero row: zeros, scale 1
+  const auto q = wf.div(scale.unsqueeze(1)).round().clamp(-127, 127).to(at::kChar);
+  const auto body = q.view({N / INT8_TILE, INT8_TILE, K}).permute({0, 2, 1});  // [N/64, K, 64]
+  const auto scales = scale.view({N / INT8_TILE, INT8_TILE}).contiguous().view(at::kChar).view({N / INT8_TILE, 4, INT8_TILE});
+  return torch::cat({body, scales}, 1).contiguous();
+}
+
+// The float32 [N, K] weights a pack_int8 tensor stands for (q * scale): tests and checks.
+torch::Tensor unpack_int8(torch::Tensor wq) {
+  TORCH_CHECK(wq.dim() == 3 && wq.scalar_type() == at::kChar && wq.size(2) == INT8_TILE && wq.size(1) > 4,
+              "wq: pack_int8 output");
+  const int64_t T = wq.size(0), K = wq.size(1) - 4;
+  const auto q = wq.narrow(1, 0, K).to(at::kFloat);  // [T, K, 64]
+  const auto scale = wq.narrow(1, K, 4).contiguous().view(at::kFloat).view({T, 1, INT8_TILE});
+  return q.mul(scale).permute({0, 2, 1}).reshape({T * INT8_TILE, K});
+}
+
+torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& wq, const c10::optional<torch::Tensor>& bias,
+                          bool float_out) {
+  TORCH_CHECK(wq.dim() == 3 && wq.scalar_type() == at::kChar && wq.size(2) == INT8_TILE && wq.size(1) > 4 &&
+              wq.is_contiguous(), "wq: pack_int8 output");
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "x: bf16 or float32 [M, K]");
+  const int64_t M = x.size(0), K = wq.size(1) - 4, N = wq.size(0) * INT8_TILE;
+  TORCH_CHECK(x.size(1) == K, "x [M, K] does not match the int8 weight's K");
+  if (bias) TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == x.scalar_type(), "bias");
+  auto y = torch::empty({M, N}, float_out ? x.options().dtype(at::kFloat) : x.options());
+  if (M == 0) return y;
+  const torch::Tensor x32 = x.to(at::kFloat).contiguous();  // broadcast from memory, one input at a time
+  const float* xp = x32.data_ptr<float>();
+  const int8_t* wp = wq.data_ptr<int8_t>();
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  float* yf = float_out || !bf16 ? y.data_ptr<float>() : nullptr;
+  at::BFloat16* yh = yf ? nullptr : y.data_ptr<at::BFloat16>();
+  const at::BFloat16* bh = bias && bf16 ? bias->data_ptr<at::BFloat16>() : nullptr;
+  const float* bfl = bias && !bf16 ? bias->data_ptr<float>() : nullptr;
+  at::parallel_for(0, N / INT8_TILE, 1, [&](int64_t t0, int64_t t1) {
+    using namespace eagle_simd;
+    alignas(64) float out[INT8_TILE_M * INT8_TILE];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int8_t* wt = wp + t * (K + 4) * INT8_TILE;
+      const float* scale = reinterpret_cast<const float*>(wt + K * INT8_TILE);
+      vf sc[4], b[4];
+      for (int i = 0; i < 4; ++i) {
+        sc[i] = load16(scale + 16 * i);
+        b[i] = bh ? load16(bh + t * INT8_TILE + 16 * i) : bfl ? load16(bfl + t * INT8_TILE + 16 * i) : vzero();
+      }
+      for (int64_t m = 0; m < M; m += INT8_TILE_M) {
+        const int mb = static_cast<int>(std::min<int64_t>(INT8_TILE_M, M - m));
+        int8_rows(mb, xp + m * K, K, wt, out);
+        for (int j = 0; j < mb; ++j)
+          for (int i = 0; i < 4; ++i) {
+            const vf v = vfmadd(load16(out + j * INT8_TILE + 16 * i), sc[i], b[i]);
+            const int64_t at = (m + j) * N + t * INT8_TILE + 16 * i;
+            if (yf) store16(yf + at, v);
+            else store16(yh + at, v);
+          }
+      }
+    }
+  });
+  return y;
+}
+
 torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, bool float_out) {
+  if (w.dim() == 3 && w.scalar_type() == at::kChar) return int8_linear(x, w, bias, float_out);  // pack_int8's layout
   if (w.dim() == 3) return packed_linear(x, w, bias, float_out);  // pack_bf16's layout
   check(x, w, bias);
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
@@ -444,6 +576,8 @@ void register_decode_stack(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_bf16", &pack_bf16, "bf16 weight [N, K] -> the packed layout skinny_linear also takes");
+  m.def("pack_int8", &pack_int8, "weight [N, K] -> int8 weights and per-output scales, a layout skinny_linear takes");
+  m.def("unpack_int8", &unpack_int8, "pack_int8 output -> the float32 [N, K] weights it stands for");
   m.def("skinny_linear", &skinny_linear, "y = x @ w.T (+ bias) for few rows of x (w [N, K] or pack_bf16(w))",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias"), pybind11::arg("float_out") = false);
   m.def("paged_attention", &paged_attention, "attention of few queries over block-table slots");

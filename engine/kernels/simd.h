@@ -44,6 +44,9 @@ inline vf load16(const at::BFloat16* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+inline vf load16(const int8_t* p) {  // 16 int8 -> float32 (exact)
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 inline void store16(float* p, vf v) { _mm512_storeu_ps(p, v); }
 inline void store16(at::BFloat16* p, vf v) {  // round to nearest even (VCVTNEPS2BF16 flushes denormals)
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
@@ -105,6 +108,10 @@ inline vf load16(const at::BFloat16* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return {bf16x8(_mm256_castsi256_si128(h)), bf16x8(_mm256_extracti128_si256(h, 1))};
 }
+inline __m256 i8x8(const int8_t* p) {  // 8 int8 -> float32 (exact)
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline vf load16(const int8_t* p) { return {i8x8(p), i8x8(p + 8)}; }
 inline void store16(float* p, vf v) {
   _mm256_storeu_ps(p, v.lo);
   _mm256_storeu_ps(p + 8, v.hi);

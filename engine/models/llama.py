@@ -168,6 +168,12 @@ def native_stack(layers, final_norm, cfg: ModelConfig, dtype: torch.dtype, nativ
         [bias(l.self_attn.o_proj) for l in layers], [l.post_attention_layernorm.weight.data for l in layers],
         [l.mlp.gate_up_proj.native_weight for l in layers], [l.mlp.down_proj.native_weight for l in layers],
         norm(final_norm), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.head_dim ** -0.5)
+    int8 = [m for m in linears if m.int8_weight is not None]
+    if int8:  # a draft head's int8 weights (Linear.quantize_int8) for calls of few rows
+        w8 = lambda lin: lin.int8_weight if lin.int8_weight is not None else none  # noqa: E731
+        stack.set_int8([w8(l.self_attn.qkv_proj) for l in layers], [w8(l.self_attn.o_proj) for l in layers],
+                       [w8(l.mlp.gate_up_proj) for l in layers], [w8(l.mlp.down_proj) for l in layers],
+                       min(m.int8_max_rows for m in int8))
     return stack, rows
 
 

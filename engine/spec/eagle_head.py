@@ -30,7 +30,7 @@ from engine import kernels
 from engine.attention import AttentionBackend
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVCache
-from engine.layers import FAST_DTYPES, Linear
+from engine.layers import FAST_DTYPES, INT8_MAX_ROWS, Linear
 from engine.loader import ModelLoadError, fill_parameters, read_json
 from engine.model_config import ModelConfig
 from engine.models.llama import DecoderLayer, LlamaForCausalLM, native_stack, native_stack_forward
@@ -85,10 +85,16 @@ class EagleHead(nn.Module):
         h, residual = self.layer(x, None, batch, kv, backend)
         return h + residual
 
-    def prepack(self, native: bool = True) -> int:
+    def prepack(self, native: bool = True, int8: bool = False) -> int:
         """Prepack every linear; with the native kernels, the layer becomes a one-layer DecodeStack
-        (no input norm, no final norm) for batches of up to as many rows as its linears take."""
+        (no input norm, no final norm) for batches of up to as many rows as its linears take.
+        int8: the linears also keep int8 weights (Linear.quantize_int8) for inputs of up to
+        INT8_MAX_ROWS rows, the stack's among them; returns the linears prepacked."""
         packed = sum(m.prepack(native) for m in self.modules() if isinstance(m, Linear))
+        if native and int8:
+            for m in self.modules():
+                if isinstance(m, Linear):
+                    m.quantize_int8(INT8_MAX_ROWS)
         self._stack, self._stack_max_rows = native_stack([self.layer], None, self.config, self.fc.weight.dtype, native)
         return packed
 
