@@ -644,3 +644,25 @@ def test_linear_int8_weights_take_few_rows_and_leave_more_to_the_packed_path():
     odd.weight.data = torch.randn(96, 576).to(torch.bfloat16)
     odd.prepack()
     assert not odd.quantize_int8(INT8_MAX_ROWS) and odd.int8_weight is None
+
+
+@pytest.mark.skipif(native is None, reason="no native kernels on this CPU or no compiler")
+@pytest.mark.parametrize("v", [1, 5, 16, 17, 320, 49152])
+def test_native_argmax_rows_is_max_indices(v):
+    """Greedy picks (sampler.greedy_picks) through argmax_rows give torch's max(-1).indices:
+    the first of equal maxima, a row's first NaN, index 0 of an all -inf row, at every width
+    (vector body and scalar tail)."""
+    from engine.sampler import greedy_picks
+    gen = torch.Generator().manual_seed(v)
+    for rows in (1, 3, 7):
+        cases = [torch.randn(rows, v, generator=gen), torch.randint(0, 3, (rows, v), generator=gen).float(),
+                 torch.full((rows, v), float("-inf")), torch.zeros(rows, v)]
+        nan = torch.randn(rows, v, generator=gen)
+        nan[0, v // 2] = float("nan")
+        nan[-1, v - 1] = float("nan")
+        cases.append(nan)
+        for x in cases:
+            assert torch.equal(native.argmax_rows(x), x.max(-1).indices)
+            assert torch.equal(greedy_picks(x), x.max(-1).indices)
+    x64 = torch.randn(2, v, generator=gen, dtype=torch.float64)  # float64: torch's own reduction
+    assert torch.equal(greedy_picks(x64), x64.max(-1).indices)

@@ -311,21 +311,46 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
 namespace {
 
 // Rows of n: x += delta (where given), out = rms_norm(x) (* weight, where given); float32
-// statistics and math, one rounding to T per output.
+// statistics and math, one rounding to T per output. float32 / bfloat16 16 lanes at a time (the
+// sum of squares in 16 partial sums, then added), the rest scalar: each row's numbers depend on
+// that row alone. (Scalar, a 4-row add + norm of the default model's width took 4.7 us, 1.3 now;
+// a fused stack makes 61 of them a forward.)
 template <typename T>
 void rms_rows(T* x, const T* delta, const T* weight, T* out, int64_t rows, int64_t n, float eps) {
+  constexpr bool vec = std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>;
+  using namespace eagle_simd;
   for (int64_t r = 0; r < rows; ++r) {
     T* xr = x + r * n;
+    const T* dr = delta ? delta + r * n : nullptr;
+    T* o = out + r * n;
     float ss = 0.f;
-    for (int64_t i = 0; i < n; ++i) {
-      if (delta) xr[i] = static_cast<T>(static_cast<float>(xr[i]) + static_cast<float>(delta[r * n + i]));
+    int64_t i = 0;
+    if constexpr (vec) {
+      vf acc = vzero();
+      for (; i + VL <= n; i += VL) {
+        if (dr) store16(xr + i, vadd(load16(xr + i), load16(dr + i)));  // rounded to T, as below
+        const vf v = load16(xr + i);
+        acc = vfmadd(v, v, acc);
+      }
+      ss = vsum(acc);
+    }
+    for (; i < n; ++i) {
+      if (dr) xr[i] = static_cast<T>(static_cast<float>(xr[i]) + static_cast<float>(dr[i]));
       ss += static_cast<float>(xr[i]) * static_cast<float>(xr[i]);
     }
     const float inv = 1.f / std::sqrt(ss / n + eps);
-    for (int64_t i = 0; i < n; ++i) {
+    i = 0;
+    if constexpr (vec) {
+      for (; i + VL <= n; i += VL) {
+        vf y = vmul(load16(xr + i), vset1(inv));
+        if (weight) y = vmul(y, load16(weight + i));
+        store16(o + i, y);
+      }
+    }
+    for (; i < n; ++i) {
       float y = static_cast<float>(xr[i]) * inv;
       if (weight) y *= static_cast<float>(weight[i]);
-      out[r * n + i] = static_cast<T>(y);
+      o[i] = static_cast<T>(y);
     }
   }
 }
@@ -353,6 +378,88 @@ torch::Tensor rms_norm_chunks(torch::Tensor x, int64_t n, double eps) {
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm_chunks", [&] {
     rms_rows<scalar_t>(x.data_ptr<scalar_t>(), nullptr, nullptr, out.data_ptr<scalar_t>(), x.size(0) * n,
                        x.size(1) / n, static_cast<float>(eps));
+  });
+  return out;
+}
+
+// Per row of x [R, V] float32: the index of its maximum, as torch's max(-1).indices gives it (the
+// first index among equal maxima; a row holding NaN: its first NaN, which max propagates). One
+// pass of 16-lane compares, each lane keeping its first best, then the lanes reduced by (value,
+// lowest index); rows in parallel. Greedy picks read every logit of a tree's rows: 11 us for 4
+// rows of the default model's 49152 against torch's 70 (5 against 25 for one; scratch runs).
+torch::Tensor argmax_rows(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat && x.size(1) > 0,
+              "x: contiguous float32 [R, V], V > 0");
+  using namespace eagle_simd;
+  const int64_t R = x.size(0), V = x.size(1);
+  auto out = torch::empty({R}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    alignas(64) float bv[VL];
+    alignas(64) int32_t bi[VL];
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* row = xp + r * V;
+      int64_t best = 0;
+      float bestv = row[0];
+      int64_t j = 0;
+      bool nan = false;
+      if (V >= VL) {
+#if EAGLE_DPBF16
+        __m512 m = _mm512_loadu_ps(row);
+        __m512i mi = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        __m512i idx = mi;
+        __mmask16 unord = _mm512_cmp_ps_mask(m, m, _CMP_UNORD_Q);
+        for (j = VL; j + VL <= V; j += VL) {
+          idx = _mm512_add_epi32(idx, _mm512_set1_epi32(VL));
+          const __m512 v = _mm512_loadu_ps(row + j);
+          unord |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+          const __mmask16 gt = _mm512_cmp_ps_mask(v, m, _CMP_GT_OQ);
+          m = _mm512_mask_mov_ps(m, gt, v);
+          mi = _mm512_mask_mov_epi32(mi, gt, idx);
+        }
+        nan = unord != 0;
+        _mm512_store_ps(bv, m);
+        _mm512_store_si512(bi, mi);
+#else
+        __m256 m0 = _mm256_loadu_ps(row), m1 = _mm256_loadu_ps(row + 8);
+        __m256i i0 = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), i1 = _mm256_add_epi32(i0, _mm256_set1_epi32(8));
+        __m256i idx0 = i0, idx1 = i1;
+        __m256 unord = _mm256_or_ps(_mm256_cmp_ps(m0, m0, _CMP_UNORD_Q), _mm256_cmp_ps(m1, m1, _CMP_UNORD_Q));
+        for (j = VL; j + VL <= V; j += VL) {
+          idx0 = _mm256_add_epi32(idx0, _mm256_set1_epi32(VL));
+          idx1 = _mm256_add_epi32(idx1, _mm256_set1_epi32(VL));
+          const __m256 v0 = _mm256_loadu_ps(row + j), v1 = _mm256_loadu_ps(row + j + 8);
+          unord = _mm256_or_ps(unord, _mm256_or_ps(_mm256_cmp_ps(v0, v0, _CMP_UNORD_Q), _mm256_cmp_ps(v1, v1, _CMP_UNORD_Q)));
+          const __m256 g0 = _mm256_cmp_ps(v0, m0, _CMP_GT_OQ), g1 = _mm256_cmp_ps(v1, m1, _CMP_GT_OQ);
+          m0 = _mm256_blendv_ps(m0, v0, g0);
+          m1 = _mm256_blendv_ps(m1, v1, g1);
+          i0 = _mm256_blendv_epi8(i0, idx0, _mm256_castps_si256(g0));
+          i1 = _mm256_blendv_epi8(i1, idx1, _mm256_castps_si256(g1));
+        }
+        nan = _mm256_movemask_ps(unord) != 0;
+        _mm256_store_ps(bv, m0);
+        _mm256_store_ps(bv + 8, m1);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(bi), i0);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(bi + 8), i1);
+#endif
+        best = bi[0];
+        bestv = bv[0];
+        for (int l = 1; l < VL; ++l)
+          if (bv[l] > bestv || (bv[l] == bestv && bi[l] < best)) { bestv = bv[l]; best = bi[l]; }
+      } else {
+        j = 1;
+      }
+      for (; j < V; ++j) {  // the tail (or a row shorter than a vector)
+        if (std::isnan(row[j])) nan = true;
+        if (row[j] > bestv) { bestv = row[j]; best = j; }
+      }
+      if (nan || std::isnan(row[0])) {
+        for (int64_t k = 0; k < V; ++k)
+          if (std::isnan(row[k])) { best = k; break; }
+      }
+      op[r] = best;
+    }
   });
   return out;
 }

@@ -572,6 +572,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
                               double scale);
 torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor weight, double eps);
 torch::Tensor rms_norm_chunks(torch::Tensor x, int64_t n, double eps);
+torch::Tensor argmax_rows(torch::Tensor x);
 void register_decode_stack(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -582,6 +583,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias"), pybind11::arg("float_out") = false);
   m.def("paged_attention", &paged_attention, "attention of few queries over block-table slots");
   m.def("add_rms_norm", &add_rms_norm, "x += delta; return rms_norm(x) * weight");
+  m.def("argmax_rows", &argmax_rows, "per row of float32 [R, V], max(-1).indices (first index; NaN propagates)");
   m.def("rms_norm_chunks", &rms_norm_chunks, "each of n equal chunks of every row RMS-normalised, no weight");
   m.def("set_nta_streams", [](bool on) { nta_streams = on; },
         "stream large weights with non-temporal prefetches (default: on AMD CPUs only)");
