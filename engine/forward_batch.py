@@ -8,6 +8,7 @@ the block table and runs one masked attention for the whole batch.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -79,6 +80,16 @@ def build_forward_batch(spans: list[SeqSpan], block_size: int, device: torch.dev
         if end > len(s.block_table) * block_size:  # the padded grid would map those slots to block 0
             raise ValueError(f"a span writes storage positions up to {end - 1}, past its block table "
                              f"({len(s.block_table)} blocks of {block_size})")
+    build = _native_build() if device.type == "cpu" else None
+    if build is not None:
+        ids, positions, slots, gather, mask, q_index, lens, q_seq, q_row = build(
+            [s.token_ids for s in spans], n_cached.tolist(), [s.block_table for s in spans],
+            [s.positions or [] for s in spans], [s.tree_mask for s in spans], [s.num_masked_cached for s in spans],
+            block_size)
+        return ForwardBatch(input_ids=ids, positions=positions, slot_mapping=slots, kv_gather=gather,
+                            attn_mask=mask, q_index=q_index, num_seqs=len(spans), max_query_len=int(n_new.max()),
+                            max_kv_len=int(kv_lens.max()), kv_lens=lens, q_seq=q_seq, q_row=q_row,
+                            prompt_lens=tuple(s.prompt_len for s in spans))
     B, Q, L = len(spans), int(n_new.max()), int(kv_lens.max())
     ids = [t for s in spans for t in s.token_ids]
     positions = [p for s in spans for p in (s.positions or range(s.num_cached, s.num_cached + len(s.token_ids)))]
@@ -109,6 +120,15 @@ def build_forward_batch(spans: list[SeqSpan], block_size: int, device: torch.dev
         q_index=None if q_index is None else t(q_index),
         num_seqs=B, max_query_len=Q, max_kv_len=L, kv_lens=t(kv_lens), q_seq=t(q_seq), q_row=t(q_row),
         prompt_lens=tuple(s.prompt_len for s in spans))
+
+
+def _native_build():
+    """The native kernels' build_batch (the same tensors as the numpy path below, in one call),
+    or None without them. EAGLE_SERVE_NATIVE_BATCH=0 keeps the numpy path (tests compare both)."""
+    if os.environ.get("EAGLE_SERVE_NATIVE_BATCH", "1") == "0":
+        return None
+    from engine import kernels
+    return getattr(kernels.native(), "build_batch", None)
 
 
 def _attention_mask(spans, n_cached, n_new, Q, L) -> np.ndarray | None:

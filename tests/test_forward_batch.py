@@ -55,8 +55,18 @@ CASES = {
 }
 
 
+def _builder(monkeypatch, native: bool) -> None:
+    """Pick the native build_batch or the numpy path (EAGLE_SERVE_NATIVE_BATCH)."""
+    from engine import kernels
+    if native and getattr(kernels.native(), "build_batch", None) is None:
+        pytest.skip("no native kernels on this CPU or no compiler")
+    monkeypatch.setenv("EAGLE_SERVE_NATIVE_BATCH", "1" if native else "0")
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["numpy", "native"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_build_forward_batch_matches_the_definition(name):
+def test_build_forward_batch_matches_the_definition(name, native, monkeypatch):
+    _builder(monkeypatch, native)
     spans = CASES[name]
     fb = build_forward_batch(spans, BS, torch.device("cpu"))
     want = reference(spans)
@@ -74,3 +84,41 @@ def test_build_forward_batch_matches_the_definition(name):
     else:
         assert fb.attn_mask.dtype == torch.bool and tuple(fb.attn_mask.shape) == (want["shape"][0], 1) + want["shape"][1:]
         assert torch.equal(fb.mask_3d(), want["mask"])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_native_and_numpy_builders_agree_on_random_batches(seed, monkeypatch):
+    """Random batches (prefill chunks, plain steps, trees over masked cached keys, padding):
+    the native builder's tensors are the numpy builder's, field by field."""
+    import random
+    rng = random.Random(seed)
+    spans = []
+    for _ in range(rng.randint(1, 5)):
+        n, c = rng.randint(1, 9), rng.randint(0, 30)
+        table = rng.sample(range(40), (c + n + BS - 1) // BS + rng.randint(0, 2))
+        kind = rng.choice(["causal", "tree", "masked"])
+        if kind == "causal":
+            spans.append(SeqSpan([rng.randrange(300) for _ in range(n)], c, table))
+            continue
+        m = rng.randint(0, min(c, 3)) if kind == "masked" else 0
+        mask = torch.rand(n, m + n, generator=torch.Generator().manual_seed(seed)) < 0.5
+        spans.append(SeqSpan([rng.randrange(300) for _ in range(n)], c, table,
+                             positions=[c + rng.randint(0, 3) for _ in range(n)], tree_mask=mask, num_masked_cached=m))
+    _builder(monkeypatch, True)
+    got = build_forward_batch(spans, BS, torch.device("cpu"))
+    monkeypatch.setenv("EAGLE_SERVE_NATIVE_BATCH", "0")
+    want = build_forward_batch(spans, BS, torch.device("cpu"))
+    for field in ("input_ids", "positions", "slot_mapping", "kv_gather", "kv_lens", "q_seq", "q_row", "q_index", "attn_mask"):
+        a, b = getattr(got, field), getattr(want, field)
+        assert (a is None) == (b is None), field
+        if a is not None:
+            assert a.dtype == b.dtype and torch.equal(a, b), field
+    assert (got.num_seqs, got.max_query_len, got.max_kv_len, got.prompt_lens) == \
+        (want.num_seqs, want.max_query_len, want.max_kv_len, want.prompt_lens)
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["numpy", "native"])
+def test_a_span_past_its_block_table_is_refused(native, monkeypatch):
+    _builder(monkeypatch, native)
+    with pytest.raises(ValueError, match="past its block table"):
+        build_forward_batch([SeqSpan([1, 2, 3], 6, [4, 5])], BS, torch.device("cpu"))
