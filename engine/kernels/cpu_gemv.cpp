@@ -406,6 +406,12 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& wp, con
 // Drafting is a proposal only: the target verifies every token, so the head's rounding never
 // reaches the output.
 constexpr int INT8_TILE = 64;
+// Software prefetch this many inputs (64-byte lines of a tile's stream) ahead: 8 KB, as the bf16
+// loop's PREFETCH_PAIRS (a draft level's weights come from memory after the target's stream).
+// Against 1 KB, side by side (bench/bench_kernels_ab.py --rev 24de6a4 --skip-linear --trees
+// 4x2x2,6x3x3 --prompts 8, bench/results/kernels_ab_s36_int8_prefetch.json): 1.019x / 1.032x,
+// within the noise; the cold probe of the head's products did not move (scratch runs).
+constexpr int64_t INT8_PREFETCH_ROWS = 128;
 #if EAGLE_DPBF16
 constexpr int INT8_TILE_M = 4;  // 16 accumulators + 4 weight vectors of 32 registers
 #else
@@ -423,7 +429,7 @@ __attribute__((always_inline)) inline void int8_tile(const float* x, int64_t K, 
     for (int i = 0; i < 4; ++i) acc[j][i] = vzero();
   for (int64_t k = 0; k < K; ++k) {
     const int8_t* w = wt + k * INT8_TILE;
-    _mm_prefetch(reinterpret_cast<const char*>(w + 16 * INT8_TILE), _MM_HINT_T0);  // 1 KB ahead
+    _mm_prefetch(reinterpret_cast<const char*>(w + INT8_PREFETCH_ROWS * INT8_TILE), _MM_HINT_T0);
 #if EAGLE_DPBF16
     const vf w0 = load16(w), w1 = load16(w + 16), w2 = load16(w + 32), w3 = load16(w + 48);
 #pragma GCC unroll 8
