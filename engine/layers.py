@@ -115,6 +115,15 @@ class Linear(nn.Module):
         self.int8_max_rows = max_rows
         return True
 
+    def native_for(self, rows: int) -> torch.Tensor | None:
+        """The weight forward() hands the native kernel for an input of this many rows (int8 or
+        prepacked), or None where forward() would take another path."""
+        if self.int8_weight is not None and rows <= self.int8_max_rows:
+            return self.int8_weight
+        if self._skinny is not None and (self.native_all_rows or max(rows, _rows_as) <= self.native_max_rows):
+            return self.native_weight
+        return None
+
     def forward(self, x: torch.Tensor, float_out: bool = False) -> torch.Tensor:
         """float_out: return float32 (where the native kernel runs, straight from its float32
         accumulator, not rounded through the weight dtype)."""

@@ -666,3 +666,54 @@ def test_native_argmax_rows_is_max_indices(v):
             assert torch.equal(greedy_picks(x), x.max(-1).indices)
     x64 = torch.randn(2, v, generator=gen, dtype=torch.float64)  # float64: torch's own reduction
     assert torch.equal(greedy_picks(x64), x64.max(-1).indices)
+
+
+@pytest.mark.skipif(native is None, reason="no native kernels on this CPU or no compiler")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("int8", [False, True])
+def test_fused_draft_level_equals_the_python_path(tiny_llama, tmp_path, dtype, int8):
+    """EagleHead.level (one native call: embeddings, fc, the stack, the draft LM head's top-k)
+    gives exactly the numbers of forward() + draft_topk(), the draft KV included; it declines
+    (None) where the Python path must run."""
+    from engine.attention import make_backend
+    from engine.forward_batch import SeqSpan, build_forward_batch
+    from engine.kv_cache import KVCache
+    from engine.loader import load_model
+    from engine.spec.eagle_drafter import _rotary
+    from engine.spec.eagle_head import load_eagle_head
+    from tests.spec_helpers import write_eagle_head
+    target = load_model(tiny_llama[0], dtype, torch.device("cpu"), skip_tokenizer=True).model
+    target.prepack()
+    head = load_eagle_head(write_eagle_head(str(tmp_path / "head"), tiny_llama[0], std=0.2), target, dtype)
+    head.set_draft_vocab(torch.arange(0, 256, 2), target)  # 128 draft tokens
+    head.prepack(int8=int8)
+    cfg = head.config
+    backend = make_backend(cfg.head_dim ** -0.5, torch.device("cpu"), dtype)
+    rotary, embed = _rotary(cfg), target.model.embed_tokens
+    gen = torch.Generator().manual_seed(4)
+    blocks = [[9, 3, 17, 5], [1, 30, 12, 7]]
+    rounds = [([SeqSpan([5, 8, 2], 0, blocks[0]), SeqSpan([7], 0, blocks[1])], torch.tensor([2, 3])),
+              ([SeqSpan([11, 12], 4, blocks[0], positions=[3, 3], num_masked_cached=1,
+                        tree_mask=torch.tensor([[True, True, False], [False, False, True]]))], None)]
+    feats = [torch.randn(4, cfg.hidden_size, generator=gen).to(dtype), torch.randn(2, cfg.hidden_size, generator=gen).to(dtype)]
+    kvs = [KVCache(1, 32, 4, cfg.num_kv_heads, cfg.head_dim, dtype, torch.device("cpu")) for _ in range(2)]
+    with torch.inference_mode():
+        for (spans, top), f in zip(rounds, feats):
+            batch = build_forward_batch(spans, 4, torch.device("cpu"))
+            hidden = head(embed(batch.input_ids), f, batch, kvs[0], backend, rotary)
+            rows = hidden if top is None else hidden[top]
+            values, ids = head.draft_topk(rows, target, 3)
+            fused = head.level(batch, embed, f, kvs[1], backend, rotary, 3, top)
+            assert fused is not None
+            for a, b in zip((hidden, rows, values, ids), fused):
+                assert torch.equal(a, b)
+        assert torch.equal(kvs[0].data, kvs[1].data)
+        batch = build_forward_batch(rounds[1][0], 4, torch.device("cpu"))
+        lm = head.lm_head
+        head.lm_head = None  # the full-vocabulary draft ranks through the target's LM head: Python path
+        assert head.level(batch, embed, feats[1], kvs[1], backend, rotary, 3) is None
+        head.lm_head = lm
+        rows = head._stack_max_rows
+        head._stack_max_rows = 1  # more rows than the stack takes
+        assert head.level(batch, embed, feats[1], kvs[1], backend, rotary, 3) is None
+        head._stack_max_rows = rows

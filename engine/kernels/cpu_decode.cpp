@@ -21,6 +21,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
                               torch::Tensor kv_lens, torch::Tensor q_seq, torch::Tensor q_row, torch::Tensor mask,
                               double scale);
 torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor weight, double eps);
+torch::Tensor rms_norm_chunks(torch::Tensor x, int64_t n, double eps);
 extern const int64_t STREAM_NTA_BYTES;
 extern thread_local bool stream_nta;
 
@@ -167,6 +168,38 @@ struct DecodeStack {
     return torch::cat(aux, 1);
   }
 
+  // One EAGLE draft level in one call, for a stack built from a draft head's layer: the head's
+  // input [embed_w[ids] ; f] with f = feats' first h columns (+ fc_aux(rms-normalised aux
+  // chunks) where feats carry n_aux fused layers), x = fc(input), the stack's forward, then the
+  // draft LM head's float32 logits of `top_rows` (empty: every row) and their k best
+  // log-softmax values with their indices (mapped through d2t where given). The same kernels and
+  // ATen ops as the Python path (EagleHead.forward, draft_topk), one dispatch instead of ~15.
+  // Weights as skinny_linear takes them (the caller picks int8 or bf16 by row count). Returns
+  // {hidden [T, h], values [R, k] float32, indices [R, k] int64}.
+  std::vector<torch::Tensor> head_level(torch::Tensor ids, torch::Tensor feats, torch::Tensor embed_w, torch::Tensor fc_w,
+                                        torch::Tensor fc_b, torch::Tensor fc_aux_w, int64_t n_aux, torch::Tensor lm_w,
+                                        torch::Tensor d2t, torch::Tensor top_rows, int64_t k, torch::Tensor kv,
+                                        torch::Tensor slot_mapping, torch::Tensor kv_gather, torch::Tensor kv_lens,
+                                        torch::Tensor q_seq, torch::Tensor q_row, torch::Tensor mask,
+                                        torch::Tensor cos_table, torch::Tensor sin_table, torch::Tensor positions) {
+    const int64_t h = embed_w.size(1);
+    TORCH_CHECK(feats.dim() == 2 && feats.size(0) == ids.size(0) && feats.size(1) == h * (1 + n_aux),
+                "head_level: feats [T, (1 + n_aux) h]");
+    torch::Tensor f = feats.narrow(1, 0, h);
+    if (n_aux > 0)
+      f = f + skinny_linear(rms_norm_chunks(feats.narrow(1, h, n_aux * h).contiguous(), n_aux, eps), fc_aux_w,
+                            c10::nullopt, false);
+    torch::Tensor x = skinny_linear(torch::cat({embed_w.index_select(0, ids), f}, 1), fc_w, opt(fc_b), false);
+    torch::Tensor hidden = forward(x, kv, slot_mapping, kv_gather, kv_lens, q_seq, q_row, mask,
+                                   cos_table.index_select(0, positions), sin_table.index_select(0, positions));
+    torch::Tensor rows = top_rows.numel() ? hidden.index_select(0, top_rows) : hidden;
+    torch::Tensor logits = skinny_linear(rows.contiguous(), lm_w, c10::nullopt, true);
+    auto top = at::topk(at::log_softmax(logits, -1), std::min<int64_t>(k, logits.size(1)));
+    torch::Tensor idx = std::get<1>(top);
+    if (d2t.numel()) idx = d2t.index({idx});
+    return {hidden, rows, std::get<0>(top), idx};
+  }
+
   // Int8 weights per linear (each list one per layer; an undefined or empty tensor: none) for
   // calls of up to max_rows rows; more rows keep the weights the stack was built with.
   void set_int8(std::vector<torch::Tensor> q, std::vector<torch::Tensor> o_, std::vector<torch::Tensor> gu,
@@ -279,6 +312,7 @@ void register_decode_stack(pybind11::module& m) {
                           int64_t, double, double>())
       .def("forward", &DecodeStack::forward)
       .def("set_aux", &DecodeStack::set_aux)
-      .def("set_int8", &DecodeStack::set_int8);
+      .def("set_int8", &DecodeStack::set_int8)
+      .def("head_level", &DecodeStack::head_level);
   m.def("build_batch", &build_batch, "a packed forward's index tensors (engine.forward_batch)");
 }

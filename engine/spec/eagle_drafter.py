@@ -225,17 +225,33 @@ class EagleDrafter(Drafter):
         embeds = self.target.model.embed_tokens(batch.input_ids)
         return self.head(embeds, feats, batch, self.kv, self.backend, self.rotary)
 
+    def _head_level(self, spans: list[SeqSpan], feats: torch.Tensor, top_rows: torch.Tensor | None = None):
+        """A draft level: the head's forward over the spans, then the top `width` draft tokens
+        of the rows `top_rows` (None: all). Returns (hidden, those rows' hidden, log-probs as
+        lists, target ids as lists): one native call where it runs (EagleHead.level; about a
+        dozen Python-level ops fewer a level), else the Python path, with the same numbers."""
+        batch = build_forward_batch(spans, self.block_size, self.device)
+        embed = self.target.model.embed_tokens
+        fused = self.head.level(batch, embed, feats, self.kv, self.backend, self.rotary, self.width, top_rows)
+        if fused is not None:
+            hidden, rows, values, indices = fused
+        else:
+            hidden = self.head(embed(batch.input_ids), feats, batch, self.kv, self.backend, self.rotary)
+            rows = hidden if top_rows is None else hidden[top_rows]
+            values, indices = self.head.draft_topk(rows, self.target, self.width)
+        return hidden, rows, values.tolist(), indices.tolist()
+
     def _first_depth(self, steps: list[SeqStep], max_depths: list[int]) -> list[Growth]:
         """Consume every pending pair; the last one's prediction gives the root's children."""
         states = [self.states[s.seq_id] for s in steps]
         spans = [SeqSpan(st.tokens, st.draft_len, s.block_table) for s, st in zip(steps, states)]
-        hidden = self._head_forward(spans, self._consume(steps, [len(st.tokens) for st in states]))
         ends = torch.tensor([len(st.tokens) for st in states]).cumsum(0) - 1
-        last = hidden[ends.to(self.device)]  # [B, h] predicted feature of the root's position
+        # last: [B, h] predicted feature of the root's position
+        _, last, values, indices = self._head_level(spans, self._consume(steps, [len(st.tokens) for st in states]),
+                                                    ends.to(self.device))
         for st in states:
             st.draft_len += len(st.tokens)
             st.tokens = []
-        values, indices = (t.tolist() for t in self.head.draft_topk(last, self.target, self.width))
         ranks = self._children[()] if self.static else list(range(self.width))
         growths = []
         for b, d in enumerate(max_depths):
@@ -257,8 +273,7 @@ class EagleDrafter(Drafter):
                                  positions=[base + depth - 2] * len(g.frontier),
                                  tree_mask=self._mask(g), num_masked_cached=n_prev))
             feats.append(g.frontier_feats)
-        hidden = self._head_forward(spans, torch.cat(feats))
-        values, indices = (t.tolist() for t in self.head.draft_topk(hidden, self.target, self.width))
+        hidden, _, values, indices = self._head_level(spans, torch.cat(feats))
         row = 0
         for g in growths:
             expanded, new = list(g.frontier), []

@@ -85,6 +85,33 @@ class EagleHead(nn.Module):
         h, residual = self.layer(x, None, batch, kv, backend)
         return h + residual
 
+    def level(self, batch: ForwardBatch, embed: nn.Embedding, features: torch.Tensor, kv: KVCache,
+              backend: AttentionBackend, rotary, k: int, top_rows: torch.Tensor | None = None):
+        """One draft level in one native call (DecodeStack.head_level): forward() over the batch,
+        then draft_topk() of the rows `top_rows` (None: all), with the same kernels and ops, so
+        the same numbers. Returns (hidden, its top rows, log-probs, target ids) as tensors, or
+        None where the Python path must run: no native stack (or more rows than it takes), a
+        linear that would not run natively at these rows, or the full-vocabulary draft."""
+        T = features.shape[0]
+        R = T if top_rows is None else top_rows.shape[0]
+        if (self._stack is None or T > self._stack_max_rows or backend.name != "native" or self.lm_head is None
+                or not hasattr(self._stack, "head_level")):  # (a kernel module built before it)
+            return None
+        h = self.config.hidden_size
+        if features.shape[-1] != h * (1 + len(self.aux_layers)):
+            return None  # forward() reports the width
+        fc, lm = self.fc.native_for(T), self.lm_head.native_for(R)
+        aux = self.fc_aux.native_for(T) if self.fc_aux is not None else _NONE
+        if fc is None or lm is None or aux is None or embed.weight.dtype != features.dtype:
+            return None
+        none = _NONE
+        return self._stack.head_level(
+            batch.input_ids, features.contiguous(), embed.weight, fc, self.fc.bias if self.fc.bias is not None else none,
+            aux, len(self.aux_layers), lm, self.d2t if self.d2t is not None else none,
+            top_rows if top_rows is not None else none, k, kv.data, batch.slot_mapping,
+            batch.kv_gather.view(batch.num_seqs, -1), batch.kv_lens, batch.q_seq, batch.q_row, batch.mask_3d(),
+            rotary.cos_table, rotary.sin_table, batch.positions)
+
     def prepack(self, native: bool = True, int8: bool = False) -> int:
         """Prepack every linear; with the native kernels, the layer becomes a one-layer DecodeStack
         (no input norm, no final norm) for batches of up to as many rows as its linears take.
@@ -97,6 +124,9 @@ class EagleHead(nn.Module):
                     m.quantize_int8(INT8_MAX_ROWS)
         self._stack, self._stack_max_rows = native_stack([self.layer], None, self.config, self.fc.weight.dtype, native)
         return packed
+
+
+_NONE = torch.empty(0)  # an absent tensor argument of the native calls
 
 
 def aux_norm(aux: torch.Tensor, n: int, eps: float) -> torch.Tensor:
