@@ -127,10 +127,9 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor, float_out: bool = False) -> torch.Tensor:
         """float_out: return float32 (where the native kernel runs, straight from its float32
         accumulator, not rounded through the weight dtype)."""
-        if self.int8_weight is not None and x.shape[0] <= self.int8_max_rows:
-            return self._skinny(x.contiguous(), self.int8_weight, self.bias, float_out)
-        if self.native_all_rows or max(x.shape[0], _rows_as) <= self.native_max_rows:
-            return self._skinny(x.contiguous(), self.native_weight, self.bias, float_out)
+        w = self.native_for(x.shape[0])
+        if w is not None:
+            return self._skinny(x.contiguous(), w, self.bias, float_out)
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
