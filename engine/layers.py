@@ -109,7 +109,8 @@ class Linear(nn.Module):
         kernels and out_features % 64 == 0; returns whether it applied."""
         mod = kernels.native()
         if (self._skinny is None or mod is None or not hasattr(mod, "pack_int8")
-                or self.weight.shape[0] % 64 or self.weight.shape[1] == 0):
+                or self.weight.shape[0] % 64 or self.weight.shape[1] == 0
+                or not bool(torch.isfinite(self.weight).all())):  # a NaN / inf has no int8 scale
             return False
         self.int8_weight = mod.pack_int8(self.weight.data)
         self.int8_max_rows = max_rows

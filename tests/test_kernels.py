@@ -644,6 +644,13 @@ def test_linear_int8_weights_take_few_rows_and_leave_more_to_the_packed_path():
     odd.weight.data = torch.randn(96, 576).to(torch.bfloat16)
     odd.prepack()
     assert not odd.quantize_int8(INT8_MAX_ROWS) and odd.int8_weight is None
+    bad = Linear(576, 128)
+    bad.weight.data = w.clone()
+    bad.weight.data[5, 7] = float("nan")  # no int8 scale for it: the weights stay as they are
+    bad.prepack()
+    assert not bad.quantize_int8(INT8_MAX_ROWS) and bad.int8_weight is None
+    with pytest.raises(RuntimeError, match="finite"):
+        native.pack_int8(bad.weight.data)
 
 
 @pytest.mark.skipif(native is None, reason="no native kernels on this CPU or no compiler")

@@ -123,7 +123,7 @@ struct DecodeStack {
                         torch::Tensor kv_lens, torch::Tensor q_seq, torch::Tensor q_row, torch::Tensor mask,
                         torch::Tensor cos, torch::Tensor sin) {
     const int64_t T = h.size(0), D = head_dim, q_size = heads * D, kv_size = kv_heads * D;
-    const bool int8 = T <= int8_rows;
+    const bool int8 = int8_rows > 0 && T <= int8_rows;  // (int8_rows > 0: set_int8 filled the lists)
     auto pick = [&](const std::vector<torch::Tensor>& w, const std::vector<torch::Tensor>& w8, size_t l) -> const torch::Tensor& {
       return int8 && w8[l].defined() ? w8[l] : w[l];
     };
@@ -175,7 +175,7 @@ struct DecodeStack {
   // log-softmax values with their indices (mapped through d2t where given). The same kernels and
   // ATen ops as the Python path (EagleHead.forward, draft_topk), one dispatch instead of ~15.
   // Weights as skinny_linear takes them (the caller picks int8 or bf16 by row count). Returns
-  // {hidden [T, h], values [R, k] float32, indices [R, k] int64}.
+  // {hidden [T, h], its top rows [R, h], values [R, k] float32, indices [R, k] int64}.
   std::vector<torch::Tensor> head_level(torch::Tensor ids, torch::Tensor feats, torch::Tensor embed_w, torch::Tensor fc_w,
                                         torch::Tensor fc_b, torch::Tensor fc_aux_w, int64_t n_aux, torch::Tensor lm_w,
                                         torch::Tensor d2t, torch::Tensor top_rows, int64_t k, torch::Tensor kv,

@@ -470,6 +470,7 @@ torch::Tensor pack_int8(torch::Tensor w) {
   const int64_t N = w.size(0), K = w.size(1);
   TORCH_CHECK(N % INT8_TILE == 0 && K > 0, "int8 packing needs N % 64 == 0 and K > 0");
   const auto wf = w.to(at::kFloat);
+  TORCH_CHECK(wf.isfinite().all().item<bool>(), "int8 packing needs finite weights (a NaN / inf has no scale)");
   auto scale = wf.abs().amax({1}).div(127.0);
   scale = torch::where(scale > 0, scale, torch::ones_like(scale));  // an all-zero row: zeros, scale 1
   const auto q = wf.div(scale.unsqueeze(1)).round().clamp(-127, 127).to(at::kChar);

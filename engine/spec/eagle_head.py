@@ -98,16 +98,19 @@ class EagleHead(nn.Module):
                 or not hasattr(self._stack, "head_level")):  # (a kernel module built before it)
             return None
         h = self.config.hidden_size
-        if features.shape[-1] != h * (1 + len(self.aux_layers)):
+        # the target's [f ; aux] (the first level of a fused-feature head) or a feature of width h
+        # (a plain head, and every deeper level: the head's own predictions)
+        n_aux = len(self.aux_layers) if self.aux_layers and features.shape[-1] == h * (1 + len(self.aux_layers)) else 0
+        if features.shape[-1] != h * (1 + n_aux):
             return None  # forward() reports the width
         fc, lm = self.fc.native_for(T), self.lm_head.native_for(R)
-        aux = self.fc_aux.native_for(T) if self.fc_aux is not None else _NONE
+        aux = self.fc_aux.native_for(T) if n_aux else _NONE
         if fc is None or lm is None or aux is None or embed.weight.dtype != features.dtype:
             return None
         none = _NONE
         return self._stack.head_level(
             batch.input_ids, features.contiguous(), embed.weight, fc, self.fc.bias if self.fc.bias is not None else none,
-            aux, len(self.aux_layers), lm, self.d2t if self.d2t is not None else none,
+            aux, n_aux, lm, self.d2t if self.d2t is not None else none,
             top_rows if top_rows is not None else none, k, kv.data, batch.slot_mapping,
             batch.kv_gather.view(batch.num_seqs, -1), batch.kv_lens, batch.q_seq, batch.q_row, batch.mask_3d(),
             rotary.cos_table, rotary.sin_table, batch.positions)
