@@ -26,9 +26,10 @@ ROW_LAYOUT_MAX_ROWS = 4
 SKINNY_MAX_ROWS = PACKED_MAX_ROWS  # the most rows the native paths take on every CPU they run on
 # Up to how many rows a draft head's int8 weights (Linear.quantize_int8) take an input. The int8
 # loop widens every weight to float32 and does one FMA a weight and row, so past a few rows it is
-# compute-bound where packed bf16 (AMX) is not: the head's seven products on a 2-core Xeon
-# (scratch runs, 2 threads, right after a 400 MB stream) 0.64 / 0.74 / 0.81 / 0.75 ms int8 against
-# 0.89 / 0.84 / 0.90 / 0.91 bf16 at 1 / 2 / 3 / 4 rows, 1.03 against 0.95 at 6, 1.82 against 1.06 at 16.
+# compute-bound where packed bf16 (AMX) is not: the head's seven products on a 2-core Xeon right
+# after a 400 MB stream (bench/bench_probes.py --probes head, bench/results/probes_s36_xeon_head.json)
+# 0.44 / 0.47 / 0.53 ms int8 against 0.61 / 0.60 / 0.62 bf16 at 1 / 2 / 4 rows, 0.76 against 0.68
+# at 6, 1.50 against 0.77 at 16.
 INT8_MAX_ROWS = 4
 
 
