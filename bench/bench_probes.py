@@ -117,11 +117,17 @@ def probe_head(mod) -> dict:
 
 
 def probe_argmax() -> dict:
+    """Greedy picks over 49152-token float32 rows: torch's argmax and max(-1).indices, and the
+    native kernels' argmax_rows (engine.sampler.greedy_picks) where the module has it."""
+    from engine import kernels
+    native = getattr(kernels.native(), "argmax_rows", None)
     out = {}
     for m in (1, 4, 32):
         x = torch.randn(m, 49152)
         out[f"rows{m}_us"] = {"argmax": round(timed(lambda: x.argmax(-1), 200) * 1e6, 1),
                               "max_indices": round(timed(lambda: x.max(-1).indices, 200) * 1e6, 1)}
+        if native is not None:
+            out[f"rows{m}_us"]["argmax_rows"] = round(timed(lambda: native(x), 200) * 1e6, 1)
     return out
 
 

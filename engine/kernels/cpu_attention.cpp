@@ -313,8 +313,8 @@ namespace {
 // Rows of n: x += delta (where given), out = rms_norm(x) (* weight, where given); float32
 // statistics and math, one rounding to T per output. float32 / bfloat16 16 lanes at a time (the
 // sum of squares in 16 partial sums, then added), the rest scalar: each row's numbers depend on
-// that row alone. (Scalar, a 4-row add + norm of the default model's width took 4.7 us, 1.3 now;
-// a fused stack makes 61 of them a forward.)
+// that row alone. (Scalar, the per-row loops grew with every row a tree adds; with RoPE's, the
+// change measured 1.04-1.06x plain decoding side by side: bench/results/kernels_ab_s36_norm_argmax.json.)
 template <typename T>
 void rms_rows(T* x, const T* delta, const T* weight, T* out, int64_t rows, int64_t n, float eps) {
   constexpr bool vec = std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>;
@@ -385,8 +385,9 @@ torch::Tensor rms_norm_chunks(torch::Tensor x, int64_t n, double eps) {
 // Per row of x [R, V] float32: the index of its maximum, as torch's max(-1).indices gives it (the
 // first index among equal maxima; a row holding NaN: its first NaN, which max propagates). One
 // pass of 16-lane compares, each lane keeping its first best, then the lanes reduced by (value,
-// lowest index); rows in parallel. Greedy picks read every logit of a tree's rows: 11 us for 4
-// rows of the default model's 49152 against torch's 70 (5 against 25 for one; scratch runs).
+// lowest index); rows in parallel. Greedy picks read every logit of a tree's rows: 9.4 us for 4
+// rows of the default model's 49152 against torch's 55 (bench/bench_probes.py --probes argmax,
+// bench/results/probes_s36_xeon_argmax.json).
 torch::Tensor argmax_rows(torch::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat && x.size(1) > 0,
               "x: contiguous float32 [R, V], V > 0");

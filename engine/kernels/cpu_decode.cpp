@@ -224,8 +224,9 @@ struct DecodeStack {
 };
 
 // engine.forward_batch.build_forward_batch's index tensors for a packed forward, built here
-// rather than by ~20 numpy / torch calls (~55 us for a 2-token span, 3 builds a speculative
-// round). Per span b: tokens, num_cached c_b, block table, positions (empty: c_b + i), tree mask
+// rather than by ~20 numpy / torch calls (14 against 47 us for a draft level's span, 27 against 84
+// for 8 plain sequences: bench/bench_small_ops.py --rev 562a31b, bench/results/small_ops_s36.json;
+// 3 builds a speculative round). Per span b: tokens, num_cached c_b, block table, positions (empty: c_b + i), tree mask
 // [n_b, m_b + n_b] (undefined: causal) over its last m_b cached keys and new ones. Returns
 // input_ids, positions, slot_mapping, kv_gather [B * L], attn_mask [B, 1, Q, L] (undefined where
 // B = 1, Q = 1 and no tree mask: every key), q_index (undefined where B = 1), kv_lens, q_seq,

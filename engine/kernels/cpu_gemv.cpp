@@ -410,7 +410,7 @@ constexpr int INT8_TILE = 64;
 // loop's PREFETCH_PAIRS (a draft level's weights come from memory after the target's stream).
 // Against 1 KB, side by side (bench/bench_kernels_ab.py --rev 24de6a4 --skip-linear --trees
 // 4x2x2,6x3x3 --prompts 8, bench/results/kernels_ab_s36_int8_prefetch.json): 1.019x / 1.032x,
-// within the noise; the cold probe of the head's products did not move (scratch runs).
+// of which the harness alone reads 1.013x (identical builds: kernels_ab_s36_aa.json): within noise.
 constexpr int64_t INT8_PREFETCH_ROWS = 128;
 #if EAGLE_DPBF16
 constexpr int INT8_TILE_M = 4;  // 16 accumulators + 4 weight vectors of 32 registers
