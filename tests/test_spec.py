@@ -493,3 +493,62 @@ def test_draft_quantization_is_checked(tiny_llama, head_dir):
     with pytest.raises(ValueError, match="int8 needs the native CPU kernels"):
         LLM(tiny_llama[0], draft=head_dir, spec=SpecConfig("eagle2"), draft_quantization="int8", **KW)
     assert not LLM(tiny_llama[0], draft=head_dir, spec=SpecConfig("eagle2"), **KW).runner.draft_int8
+
+
+# ---- the native draft tree (session 37) ------------------------------------------------------
+
+@pytest.mark.skipif(kernels.native() is None, reason="no native kernels on this CPU or no compiler")
+@pytest.mark.parametrize("dtype, quant", [("float32", "none"), ("float32", "int8"), ("bfloat16", "int8")])
+def test_native_draft_tree_equals_the_per_level_python_path(tiny_llama, tmp_path, dtype, quant):
+    """DecodeStack.draft_tree (every level of a round's EAGLE-2 trees in one native call) drafts
+    the trees the per-level Python path drafts, round by round, with the same confidences and
+    the same draft KV, batched and with mixed depths in a batch; outputs stay plain decoding's."""
+    import json
+    import os
+    from safetensors.torch import load_file, save_file
+    head = write_eagle_head(str(tmp_path / "head"), tiny_llama[0], std=0.2)
+    weights = load_file(os.path.join(head, "model.safetensors"))  # a reduced draft vocabulary (the native path's)
+    save_file({**weights, "d2t": torch.arange(0, 256, 2)}, os.path.join(head, "model.safetensors"))
+    with open(os.path.join(head, "config.json")) as f:
+        cfg = json.load(f)
+    with open(os.path.join(head, "config.json"), "w") as f:
+        json.dump({**cfg, "draft_vocab_size": 128}, f)
+    kw = dict(KW, dtype=dtype)
+    spec = SpecConfig("eagle2", total_tokens=9, depth=4, top_k=3)
+    ps = prompts(4, seed=21)
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (20, 13, 25, 7)]
+
+    def run(native: bool):
+        llm = LLM(tiny_llama[0], draft=head, spec=spec, draft_quantization=quant, **kw)
+        dr = llm.runner.drafter
+        dr.native_tree = native
+        log, used = [], []
+        propose, tree_fn = dr.propose, dr._native_tree
+
+        def mixed(steps, depths):  # the tree budget's mixed depths within a batch
+            trees = propose(steps, [max(1, d - (s.seq_id % 3)) for s, d in zip(steps, depths)])
+            log.append([(t.tokens, t.parents, dr._confidence.get(s.seq_id)) for s, t in zip(steps, trees)])
+            return trees
+
+        def counted(*a):
+            out = tree_fn(*a)
+            used.append(out is not None)
+            return out
+        dr.propose, dr._native_tree = mixed, counted
+        # one at a time, then batched (float32's native linears take 4 rows: its batches of
+        # trees take the Python path, bf16's packed ones 16)
+        outs = [llm.generate(p, q)[0].token_ids for p, q in zip(ps, params)]
+        outs += [o.token_ids for o in llm.generate(ps, params)]
+        return outs, log, used, dr.kv.data.clone(), llm
+
+    outs_n, log_n, used_n, kv_n, llm = run(True)
+    outs_p, log_p, used_p, kv_p, _ = run(False)
+    assert any(used_n) and not any(used_p)
+    if dtype == "bfloat16":
+        assert all(used_n)  # every round, the batched ones too
+    assert outs_n == outs_p
+    assert log_n == log_p and any(len(t[0]) > 4 for r in log_n for t in r)
+    assert torch.equal(kv_n, kv_p)
+    if dtype == "float32":  # (bf16 batches may round a near-tie apart from plain decoding)
+        assert outs_n[len(ps):] == [o.token_ids for o in LLM(tiny_llama[0], **kw).generate(ps, params)]
+    assert llm.allocator.num_free_blocks == llm.allocator.num_blocks

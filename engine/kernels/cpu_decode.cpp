@@ -12,6 +12,7 @@
 #include <immintrin.h>
 
 #include "simd.h"
+#include <algorithm>
 #include <cmath>
 #include <type_traits>
 #include <vector>
@@ -24,6 +25,12 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor w
 torch::Tensor rms_norm_chunks(torch::Tensor x, int64_t n, double eps);
 extern const int64_t STREAM_NTA_BYTES;
 extern thread_local bool stream_nta;
+std::vector<torch::Tensor> build_batch(const std::vector<std::vector<int64_t>>& tokens,
+                                       const std::vector<int64_t>& num_cached,
+                                       const std::vector<std::vector<int64_t>>& tables,
+                                       const std::vector<std::vector<int64_t>>& positions,
+                                       const std::vector<c10::optional<torch::Tensor>>& masks,
+                                       const std::vector<int64_t>& masked_cached, int64_t bs);
 
 namespace {
 
@@ -200,6 +207,176 @@ struct DecodeStack {
     return {hidden, rows, std::get<0>(top), idx};
   }
 
+  // A whole EAGLE-2 draft tree in one call: EagleDrafter.propose's dynamic path (its first
+  // level, then its _grow per depth), the same kernels and ATen ops per level as head_level
+  // from Python, so the same numbers, and the same candidate bookkeeping (scores summed in
+  // double, as Python floats; frontiers the top_k new candidates by (-score, index)). Per
+  // sequence b: pending[b] its pending pairs' tokens (>= 1), draft_len[b] its committed pairs,
+  // tables[b] its block table, max_depth[b] >= 1; feats: the pending pairs' target features,
+  // stacked in that order ([f ; aux] with n_aux fused layers). Weights: w[i] (i = fc, fc_aux,
+  // lm) as Linear.native_weight, w8[i] its int8 weights or an empty tensor, taken for calls of
+  // up to rows8[i] rows (Linear.native_for); the caller checks the native path takes every
+  // row count a level can have. Returns {tokens, parents, scores (float64), depths, counts}:
+  // every candidate of every sequence, sequence after sequence (counts[b] each), in the
+  // Python path's order. The draft KV of each level is written as that path writes it.
+  std::vector<torch::Tensor> draft_tree(const std::vector<std::vector<int64_t>>& pending,
+                                        const std::vector<int64_t>& draft_len,
+                                        const std::vector<std::vector<int64_t>>& tables,
+                                        const std::vector<int64_t>& max_depth, torch::Tensor feats, int64_t n_aux,
+                                        torch::Tensor embed_w, std::vector<torch::Tensor> w,
+                                        std::vector<torch::Tensor> w8, std::vector<int64_t> rows8, torch::Tensor fc_b,
+                                        torch::Tensor d2t, int64_t width, int64_t top_k, int64_t block_size,
+                                        torch::Tensor kv, torch::Tensor cos_table, torch::Tensor sin_table) {
+    const int64_t B = static_cast<int64_t>(pending.size());
+    TORCH_CHECK(B > 0 && draft_len.size() == pending.size() && tables.size() == pending.size() &&
+                max_depth.size() == pending.size() && w.size() == 3 && w8.size() == 3 && rows8.size() == 3 &&
+                width >= 1 && top_k >= 1, "draft_tree: one entry per sequence, three weights");
+    auto pick = [&](int i, int64_t rows) -> torch::Tensor {
+      return w8[i].defined() && w8[i].numel() && rows <= rows8[i] ? w8[i] : w[i];
+    };
+    auto run_level = [&](const std::vector<std::vector<int64_t>>& toks, const std::vector<int64_t>& cached,
+                         const std::vector<std::vector<int64_t>>& tabs, const std::vector<std::vector<int64_t>>& pos,
+                         const std::vector<c10::optional<torch::Tensor>>& masks, const std::vector<int64_t>& mcached,
+                         const torch::Tensor& f, int64_t aux, const torch::Tensor& top_rows) {
+      auto bt = build_batch(toks, cached, tabs, pos, masks, mcached, block_size);
+      const int64_t nb = static_cast<int64_t>(toks.size()), T = bt[0].size(0);
+      const int64_t R = top_rows.numel() ? top_rows.size(0) : T;
+      torch::Tensor mask = bt[4].defined() ? bt[4].view({nb, bt[4].size(2), bt[4].size(3)})
+                                           : torch::empty({0}, torch::TensorOptions().dtype(at::kBool));
+      return head_level(bt[0], f, embed_w, pick(0, T), fc_b, aux ? pick(1, T) : torch::empty({0}), aux, pick(2, R), d2t,
+                        top_rows, width, kv, bt[2], bt[3].view({nb, -1}), bt[6], bt[7], bt[8], mask, cos_table,
+                        sin_table, bt[1]);
+    };
+    const torch::Tensor all_rows = torch::empty({0}, torch::TensorOptions().dtype(at::kLong));  // top_rows: every row
+    // the first level: every pending pair, the last one's row ranks the root's children
+    std::vector<int64_t> ends(B), base(B), none_cached(B, 0);
+    std::vector<std::vector<int64_t>> no_pos(B);
+    std::vector<c10::optional<torch::Tensor>> no_mask(B);
+    for (int64_t b = 0, end = 0; b < B; ++b) {
+      TORCH_CHECK(!pending[b].empty() && max_depth[b] >= 1, "draft_tree: pending pairs and a depth per sequence");
+      end += static_cast<int64_t>(pending[b].size());
+      ends[b] = end - 1;
+      base[b] = draft_len[b] + static_cast<int64_t>(pending[b].size());
+    }
+    auto lv = run_level(pending, draft_len, tables, no_pos, no_mask, none_cached, feats, n_aux,
+                        torch::tensor(ends, torch::TensorOptions().dtype(at::kLong)));
+    struct Grow {
+      std::vector<int64_t> tokens, parents, depths, frontier, scratch;
+      std::vector<double> scores;
+      torch::Tensor frontier_feats;
+    };
+    std::vector<Grow> g(B);
+    // the k best of `cands` by (-score, index), in index order (EagleDrafter._next_frontier);
+    // a NaN score sorts as -inf (Python's sort is undefined there; this one stays well-defined)
+    auto next_frontier = [&](const Grow& gr, std::vector<int64_t> cands) {
+      auto key = [&](int64_t c) { const double s = gr.scores[c]; return std::isnan(s) ? -INFINITY : s; };
+      std::sort(cands.begin(), cands.end(), [&](int64_t a, int64_t b2) {
+        const double x = key(a), y = key(b2);
+        return x != y ? x > y : a < b2;
+      });
+      if (static_cast<int64_t>(cands.size()) > top_k) cands.resize(top_k);
+      std::sort(cands.begin(), cands.end());
+      return cands;
+    };
+    {
+      const torch::Tensor values = lv[2].to(at::kDouble).contiguous(), idx = lv[3].contiguous();
+      const double* vp = values.data_ptr<double>();
+      const int64_t* ip = idx.data_ptr<int64_t>();
+      const int64_t kk = values.size(1);
+      TORCH_CHECK(kk == width, "draft_tree: the draft vocabulary has fewer tokens than width");
+      for (int64_t b = 0; b < B; ++b) {
+        Grow& gr = g[b];
+        std::vector<int64_t> all(width);
+        for (int64_t r = 0; r < width; ++r) {
+          gr.tokens.push_back(ip[b * kk + r]);
+          gr.parents.push_back(-1);
+          gr.scores.push_back(vp[b * kk + r]);
+          gr.depths.push_back(1);
+          all[r] = r;
+        }
+        gr.frontier = next_frontier(gr, all);
+        gr.frontier_feats = lv[1].narrow(0, b, 1).expand({static_cast<int64_t>(gr.frontier.size()), -1});
+      }
+    }
+    int64_t deepest = *std::max_element(max_depth.begin(), max_depth.end());
+    for (int64_t depth = 2; depth <= deepest; ++depth) {
+      std::vector<int64_t> todo;
+      for (int64_t b = 0; b < B; ++b)
+        if (max_depth[b] >= depth && !g[b].frontier.empty()) todo.push_back(b);
+      if (todo.empty()) continue;
+      const size_t n = todo.size();
+      std::vector<std::vector<int64_t>> toks(n), tabs(n), pos(n);
+      std::vector<int64_t> cached(n), mcached(n);
+      std::vector<c10::optional<torch::Tensor>> masks(n);
+      std::vector<torch::Tensor> fs(n);
+      for (size_t j = 0; j < n; ++j) {
+        const Grow& gr = g[todo[j]];
+        const int64_t F = static_cast<int64_t>(gr.frontier.size()), prev = static_cast<int64_t>(gr.scratch.size());
+        for (int64_t c : gr.frontier) toks[j].push_back(gr.tokens[c]);
+        tabs[j] = tables[todo[j]];
+        pos[j].assign(F, base[todo[j]] + depth - 2);
+        cached[j] = base[todo[j]] + prev;
+        mcached[j] = prev;
+        // frontier node i sees the scratch pairs that are its ancestors, and itself (EagleDrafter._mask)
+        torch::Tensor m = torch::zeros({F, prev + F}, torch::TensorOptions().dtype(at::kBool));
+        bool* mp = m.data_ptr<bool>();
+        for (int64_t i = 0; i < F; ++i) {
+          for (int64_t c = gr.frontier[i]; c >= 0; c = gr.parents[c]) {
+            for (int64_t k = 0; k < prev; ++k)
+              if (gr.scratch[k] == c) mp[i * (prev + F) + k] = true;
+          }
+          mp[i * (prev + F) + prev + i] = true;
+        }
+        masks[j] = m;
+        fs[j] = gr.frontier_feats;
+      }
+      auto out = run_level(toks, cached, tabs, pos, masks, mcached, torch::cat(fs), 0, all_rows);
+      const torch::Tensor values = out[2].to(at::kDouble).contiguous(), idx = out[3].contiguous();
+      const double* vp = values.data_ptr<double>();
+      const int64_t* ip = idx.data_ptr<int64_t>();
+      const int64_t kk = values.size(1);
+      int64_t row = 0;
+      for (size_t j = 0; j < n; ++j) {
+        Grow& gr = g[todo[j]];
+        const std::vector<int64_t> expanded = gr.frontier;
+        const int64_t first_row = row;
+        std::vector<int64_t> added;
+        gr.scratch.insert(gr.scratch.end(), expanded.begin(), expanded.end());
+        for (int64_t c : expanded) {
+          for (int64_t r = 0; r < width; ++r) {
+            added.push_back(static_cast<int64_t>(gr.tokens.size()));
+            gr.tokens.push_back(ip[row * kk + r]);
+            gr.parents.push_back(c);
+            gr.scores.push_back(gr.scores[c] + vp[row * kk + r]);
+            gr.depths.push_back(depth);
+          }
+          ++row;
+        }
+        gr.frontier = depth < max_depth[todo[j]] ? next_frontier(gr, added) : std::vector<int64_t>();
+        std::vector<int64_t> parent_rows;
+        for (int64_t c : gr.frontier) {
+          const int64_t p = gr.parents[c];
+          parent_rows.push_back(first_row + (std::find(expanded.begin(), expanded.end(), p) - expanded.begin()));
+        }
+        gr.frontier_feats = out[0].index_select(0, torch::tensor(parent_rows, torch::TensorOptions().dtype(at::kLong)));
+      }
+    }
+    std::vector<int64_t> tokens, parents, depths, counts(B);
+    std::vector<double> scores;
+    for (int64_t b = 0; b < B; ++b) {
+      const Grow& gr = g[b];
+      tokens.insert(tokens.end(), gr.tokens.begin(), gr.tokens.end());
+      parents.insert(parents.end(), gr.parents.begin(), gr.parents.end());
+      depths.insert(depths.end(), gr.depths.begin(), gr.depths.end());
+      scores.insert(scores.end(), gr.scores.begin(), gr.scores.end());
+      counts[b] = static_cast<int64_t>(gr.tokens.size());
+    }
+    const auto i64 = torch::TensorOptions().dtype(at::kLong);
+    return {torch::tensor(tokens, i64), torch::tensor(parents, i64),
+            torch::tensor(scores, torch::TensorOptions().dtype(at::kDouble)), torch::tensor(depths, i64),
+            torch::tensor(counts, i64)};
+  }
+
   // Int8 weights per linear (each list one per layer; an undefined or empty tensor: none) for
   // calls of up to max_rows rows; more rows keep the weights the stack was built with.
   void set_int8(std::vector<torch::Tensor> q, std::vector<torch::Tensor> o_, std::vector<torch::Tensor> gu,
@@ -314,6 +491,7 @@ void register_decode_stack(pybind11::module& m) {
       .def("forward", &DecodeStack::forward)
       .def("set_aux", &DecodeStack::set_aux)
       .def("set_int8", &DecodeStack::set_int8)
-      .def("head_level", &DecodeStack::head_level);
+      .def("head_level", &DecodeStack::head_level)
+      .def("draft_tree", &DecodeStack::draft_tree);
   m.def("build_batch", &build_batch, "a packed forward's index tensors (engine.forward_batch)");
 }

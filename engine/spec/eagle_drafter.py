@@ -18,6 +18,7 @@ without the kept features as fast in one run and a third of that gap closed in a
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -90,6 +91,9 @@ class EagleDrafter(Drafter):
             raise ValueError(f"{what} is beyond the draft head's vocabulary of {vocab} tokens: at most "
                              f"{vocab - 1 if self.static else vocab}")
         self.idle_rounds = 0  # rounds since any sequence drafted
+        # every level of a round's trees in one native call where it runs (_native_tree);
+        # EAGLE_SERVE_NATIVE_DRAFT=0 keeps the per-level Python path (tests compare the two)
+        self.native_tree = os.environ.get("EAGLE_SERVE_NATIVE_DRAFT", "1") != "0"
         self.catchup_seconds = 0.0  # head forwards that consumed backlogs (see sync), cumulative
         self.catchup_pairs = 0  # the pairs they consumed, cumulative
 
@@ -164,11 +168,13 @@ class EagleDrafter(Drafter):
         backlog = [steps[i] for i in active if len(self.states[steps[i].seq_id].tokens) > CATCHUP_SPLIT]
         if backlog:  # a drafting round after a while without: the backlog's forward is timed apart
             self._catch_up(backlog, keep=1)
-        growths = self._first_depth([steps[i] for i in active], [max_depths[i] for i in active])
-        for depth in range(2, max(g.max_depth for g in growths) + 1):
-            todo = [j for j, g in enumerate(growths) if g.max_depth >= depth and g.frontier]
-            if todo:
-                self._grow([steps[active[j]] for j in todo], [growths[j] for j in todo], depth)
+        growths = self._native_tree([steps[i] for i in active], [max_depths[i] for i in active])
+        if growths is None:
+            growths = self._first_depth([steps[i] for i in active], [max_depths[i] for i in active])
+            for depth in range(2, max(g.max_depth for g in growths) + 1):
+                todo = [j for j, g in enumerate(growths) if g.max_depth >= depth and g.frontier]
+                if todo:
+                    self._grow([steps[active[j]] for j in todo], [growths[j] for j in todo], depth)
         for j, i in enumerate(active):
             g = growths[j]
             trees[i] = self._tree(steps[i].token_ids[-1], g, steps[i].tree_tokens)
@@ -240,6 +246,49 @@ class EagleDrafter(Drafter):
             rows = hidden if top_rows is None else hidden[top_rows]
             values, indices = self.head.draft_topk(rows, self.target, self.width)
         return hidden, rows, values.tolist(), indices.tolist()
+
+    def _native_tree(self, steps: list[SeqStep], max_depths: list[int]) -> list[Growth] | None:
+        """Every level of the round's EAGLE-2 trees in one native call (DecodeStack.draft_tree:
+        _first_depth and each _grow with the same kernels, numbers and bookkeeping, without a
+        Python round trip a level), or None where the Python path must run: EAGLE-1's static
+        trees, no native head stack (or one built before draft_tree), the full-vocabulary draft,
+        more rows in a level than the native kernels take, or `native_tree` off."""
+        head = self.head
+        stack = head._stack
+        if (not self.native_tree or self.static or stack is None or not hasattr(stack, "draft_tree")
+                or self.backend.name != "native" or head.lm_head is None
+                or self.target.model.embed_tokens.weight.dtype != self.features.dtype):
+            return None
+        states = [self.states[s.seq_id] for s in steps]
+        first = sum(len(st.tokens) for st in states)
+        rows = max(first, len(steps) * self.width)  # a level's most rows: the first, or B frontiers of top_k
+        aux = head.fc_aux if head.aux_layers else None
+        if (rows > head._stack_max_rows or head.fc.native_for(rows) is None
+                or head.lm_head.native_for(rows) is None or (aux is not None and aux.native_for(first) is None)):
+            return None
+        none = _NONE
+        lins = (head.fc, aux, head.lm_head)
+        pending = [st.tokens for st in states]
+        feats = self._consume(steps, [len(t) for t in pending])
+        tokens, parents, scores, depths, counts = stack.draft_tree(
+            pending, [st.draft_len for st in states], [s.block_table for s in steps], max_depths, feats,
+            len(head.aux_layers), self.target.model.embed_tokens.weight,
+            [m.native_weight if m is not None else none for m in lins],
+            [m.int8_weight if m is not None and m.int8_weight is not None else none for m in lins],
+            [m.int8_max_rows if m is not None else 0 for m in lins],
+            head.fc.bias if head.fc.bias is not None else none, head.d2t if head.d2t is not None else none,
+            self.width, self.spec.top_k, self.block_size, self.kv.data, self.rotary.cos_table, self.rotary.sin_table)
+        for st in states:
+            st.draft_len += len(st.tokens)
+            st.tokens = []
+        tokens, parents, scores, depths = tokens.tolist(), parents.tolist(), scores.tolist(), depths.tolist()
+        growths, at = [], 0
+        for n, d in zip(counts.tolist(), max_depths):
+            cut = slice(at, at + n)
+            growths.append(Growth(Candidates(tokens[cut], parents[cut], scores[cut]), depths[cut], [], none,
+                                  max_depth=d))
+            at += n
+        return growths
 
     def _first_depth(self, steps: list[SeqStep], max_depths: list[int]) -> list[Growth]:
         """Consume every pending pair; the last one's prediction gives the root's children."""
@@ -327,6 +376,9 @@ class EagleDrafter(Drafter):
                              [cands.scores[c] for c in ok])
             keep = [ok[i] for i in select_best(sub, (total or self.spec.total_tokens) - 1)]
         return build_tree(root, cands, keep)
+
+
+_NONE = torch.empty(0)  # an absent tensor argument of the native calls
 
 
 def feature_width(hidden_size: int, aux_layers) -> int:
