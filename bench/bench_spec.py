@@ -94,6 +94,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--python-head", action="store_true",
                     help="also the first eagle2 shape with the head's native one-layer stack switched off "
                          "(its layer through Python-level torch ops, as before the stack)")
+    ap.add_argument("--python-tree", action="store_true",
+                    help="also every eagle2 shape with its tree drafted level by level from Python "
+                         "(EagleDrafter.native_tree off: one native head_level call a level, as before "
+                         "DecodeStack.draft_tree), named '<row>-pytree', in the same alternating run")
     ap.add_argument("--prompts", type=int, default=10, help="per prompt set")
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--sweep", action="store_true")
@@ -174,7 +178,7 @@ def phase_snapshot(timings) -> tuple[float, float, float, int]:
 
 
 def spec_system(spec: SpecConfig, args, budget: bool = False, full_vocab: bool = False,
-                python_head: bool = False, guard_z: float | None = None,
+                python_head: bool = False, guard_z: float | None = None, python_tree: bool = False,
                 min_gain: float | None = None, draft: str | None = None,
                 profile_context: int | None = None, quantization: str | None = None) -> bd.System:
     """Our engine with `spec` (a fixed tree, or the tree budget, guard_z / min_gain: its guard's
@@ -197,6 +201,8 @@ def spec_system(spec: SpecConfig, args, budget: bool = False, full_vocab: bool =
         llm.runner.drafter.head.lm_head = None  # rank the whole vocabulary through the target's LM head
     if python_head:
         llm.runner.drafter.head._stack = None  # the head's layer through the Python path
+    if python_tree:
+        llm.runner.drafter.native_tree = False  # the tree level by level from Python
     eos = set(llm.runner.loaded.eos_token_ids)
 
     def run(prompt, max_new):
@@ -220,13 +226,15 @@ def spec_system(spec: SpecConfig, args, budget: bool = False, full_vocab: bool =
     info = {"spec": {k: getattr(spec, k) for k in ("method", "total_tokens", "depth", "top_k")},
             "max_depth": spec.max_depth, "draft": llm.engine_config.draft, "eos_token_ids": sorted(eos),
             "tree_budget": budget, "full_vocab": full_vocab, "python_head": python_head,
+            "python_tree": python_tree,
             "draft_int8": llm.runner.draft_int8,
             "guard_z": llm.budget.guard_z if llm.budget is not None else None,
             "min_gain": llm.budget.min_gain if llm.budget is not None else None,
             "profile_context": profile_context if profile_context is not None else engine_profile.PROFILE_CONTEXT,
             "cost_profile": llm.cost_profile}
     name = (spec_name(spec) + ("-budget" if budget else "") + ("-fullvocab" if full_vocab else "")
-            + ("-pyhead" if python_head else "") + (f"-z{guard_z:g}" if guard_z is not None else "")
+            + ("-pyhead" if python_head else "") + ("-pytree" if python_tree else "")
+            + (f"-z{guard_z:g}" if guard_z is not None else "")
             + (f"-mg{min_gain:g}" if min_gain is not None else "")
             + (f"-ctx{profile_context}" if profile_context is not None else "")
             + (f"-q{quantization}" if quantization is not None else "")
@@ -259,6 +267,8 @@ def build_systems(args, eos_id: int) -> list[bd.System]:
         systems += [spec_system(spec, args, full_vocab=True) for spec in specs if spec.method == "eagle2"][:1]
     if args.python_head and args.draft:
         systems += [spec_system(spec, args, python_head=True) for spec in specs if spec.method == "eagle2"][:1]
+    if args.python_tree and args.draft:
+        systems += [spec_system(spec, args, python_tree=True) for spec in specs if spec.method == "eagle2"]
     if args.compare_quantization:
         systems += [spec_system(spec, args, quantization=args.compare_quantization) for spec in specs
                     if spec.method == "eagle2"]
