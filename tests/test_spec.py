@@ -552,3 +552,44 @@ def test_native_draft_tree_equals_the_per_level_python_path(tiny_llama, tmp_path
     if dtype == "float32":  # (bf16 batches may round a near-tie apart from plain decoding)
         assert outs_n[len(ps):] == [o.token_ids for o in LLM(tiny_llama[0], **kw).generate(ps, params)]
     assert llm.allocator.num_free_blocks == llm.allocator.num_blocks
+
+
+@pytest.mark.skipif(kernels.native() is None, reason="no native kernels on this CPU or no compiler")
+def test_catch_ups_in_native_chunks_write_the_heads_kv_and_keep_outputs(tiny_llama, head_dir):
+    """A backlog of pending pairs (a prompt's, at its first draft) is consumed in forwards of
+    the native head stack's rows: the head's KV at those pairs is the one-forward catch-up's (to
+    float32 rounding: other kernels) and outputs stay plain decoding's."""
+    kw = dict(KW, dtype="float32")
+    spec = SpecConfig("eagle2", total_tokens=6, depth=3, top_k=2)
+    rng = random.Random(3)
+    ps = [[rng.randrange(3, 300) for _ in range(n)] for n in (23, 41, 18)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    ref = [o.token_ids for o in LLM(tiny_llama[0], **kw).generate(ps, params)]
+    runs = {}
+    for chunked in (True, False):
+        # (the head's own weights: a float32 chunk of 4 rows would take its int8 ones, the one forward not)
+        llm = LLM(tiny_llama[0], draft=head_dir, spec=spec, draft_quantization="none", **kw)
+        dr = llm.runner.drafter
+        dr.native_tree = chunked
+        assert (dr._catchup_chunk() > 0) == chunked
+        forwards, written = [], []
+        head_forward, catch_up = dr._head_forward, dr._catch_up
+
+        def counted(spans, feats, head_forward=head_forward, forwards=forwards):
+            forwards.append(sum(len(s.token_ids) for s in spans))
+            return head_forward(spans, feats)
+
+        def kept(steps, keep, dr=dr, catch_up=catch_up, written=written):  # the KV each catch-up wrote
+            slots = [x for s in steps for x in dr._slots(s.block_table, dr.states[s.seq_id].draft_len,
+                                                         len(dr.states[s.seq_id].tokens) - keep)]
+            catch_up(steps, keep)
+            written.append(dr.kv.data[:, :, slots].clone())
+        dr._head_forward, dr._catch_up = counted, kept
+        outs = [llm.generate(p, params)[0].token_ids for p in ps]  # one at a time: their first drafts catch up
+        assert outs == ref
+        runs[chunked] = (written, forwards, dr._catchup_chunk())
+    (kv_c, fw_c, chunk), (kv_1, fw_1, _) = runs[True], runs[False]
+    assert len(kv_c) == len(kv_1) == len(ps)  # one catch-up per prompt, at its first draft
+    assert max(fw_c) <= chunk < max(fw_1)  # the chunked run never forwarded more pairs than the stack takes
+    for a, b in zip(kv_c, kv_1):
+        assert a.shape[2] > chunk and torch.allclose(a, b, atol=1e-5, rtol=1e-4)
