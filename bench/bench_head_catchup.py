@@ -3,11 +3,13 @@
 
 A sequence that drafts after plain rounds (or for the first time, with its prompt's pairs)
 first runs the head over every pending (token, feature) pair. This times that head forward
-(`EagleDrafter._head_forward`) for a few shapes (sequences x pending pairs, after a committed
+(`EagleDrafter._backlog_forward`) for a few shapes (sequences x pending pairs, after a committed
 context) on the default model and shipped head, and the target's forward of the same spans,
-alternating, in one run: the ratio is what one pair of catch-up costs in target tokens.
+alternating, in one run: the ratio is what one pair of catch-up costs in target tokens. The
+head runs both ways: one forward over every span ("one"), and forwards of at most the native
+head stack's rows, sequence by sequence ("chunks", where that stack runs).
 
-    .venv/bin/python bench/bench_head_catchup.py --reps 5
+    .venv/bin/python bench/bench_head_catchup.py --reps 5 [--fresh-shapes]
 Writes --out (bench/results/head_catchup.json).
 """
 from __future__ import annotations
@@ -28,7 +30,8 @@ import torch  # noqa: E402
 from engine.forward_batch import SeqSpan  # noqa: E402
 from engine.spec.eagle_drafter import feature_width  # noqa: E402
 
-SHAPES = ((1, 16, 100), (1, 128, 100), (4, 128, 100), (8, 16, 200), (8, 128, 100), (16, 64, 150))
+SHAPES = ((1, 50, 0), (1, 200, 0), (1, 400, 0), (1, 16, 100), (1, 128, 100), (4, 128, 100), (8, 16, 200),
+          (8, 128, 100), (16, 64, 150), (32, 100, 100))
 
 
 def spans_for(seqs: int, pairs: int, context: int, block_size: int) -> list[SeqSpan]:
@@ -40,6 +43,8 @@ def spans_for(seqs: int, pairs: int, context: int, block_size: int) -> list[SeqS
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--fresh-shapes", action="store_true",
+                    help="time every repetition at a pair count not run before (scaled to the shape's)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "head_catchup.json"))
     args = ap.parse_args(argv)
     llm = bs.build_engine("on")
@@ -47,27 +52,43 @@ def main(argv=None):
     # as wide as the target hands the drafter ([f ; aux] for a fused-feature head)
     hidden = feature_width(runner.model.config.hidden_size, runner.model.aux_layers)
     source = bd.source_digest()
+    chunk = drafter._catchup_chunk()  # the native head stack's rows (0: it does not run here)
     rows = []
     with torch.inference_mode():
         for seqs, pairs, context in SHAPES:
             spans = spans_for(seqs, pairs, context, llm.engine_config.block_size)
             feats = torch.randn(seqs * pairs, hidden, dtype=runner.dtype)
-            head, target = [], []
-            drafter._head_forward(spans, feats)  # warm-up
+            modes = {"one": 0, **({"chunks": chunk} if chunk else {})}
+            head, target = {m: [] for m in modes}, []
+            for c in modes.values():  # warm-up
+                drafter._backlog_forward(spans, feats, c)
             runner.forward(spans)
-            for _ in range(args.reps):  # alternating, so machine drift hits both alike
-                t = time.perf_counter()
-                drafter._head_forward(spans, feats)
-                head.append(time.perf_counter() - t)
+            for r in range(args.reps):  # alternating, so machine drift hits all alike
+                # --fresh-shapes: each repetition one pair less a sequence than the last (the head's
+                # forward of a new shape, as a serving engine meets catch-ups of every length)
+                sp, ft = spans, feats
+                if args.fresh_shapes:
+                    cut = pairs - 1 - r
+                    sp = [SeqSpan(s.token_ids[:cut], s.num_cached, s.block_table) for s in spans]
+                    ft = feats.view(seqs, pairs, -1)[:, :cut].reshape(seqs * cut, -1)
+                for m, c in modes.items():
+                    t = time.perf_counter()
+                    drafter._backlog_forward(sp, ft, c)
+                    head[m].append((time.perf_counter() - t) * pairs / len(sp[0].token_ids))
                 t = time.perf_counter()
                 runner.forward(spans)
                 target.append(time.perf_counter() - t)
-            h, g = statistics.median(head), statistics.median(target)
+            g = statistics.median(target)
             n = seqs * pairs
-            rows.append({"seqs": seqs, "pairs": pairs, "context": context, "head_ms": 1e3 * h,
-                         "target_ms": 1e3 * g, "head_us_per_pair": 1e6 * h / n, "head_over_target": h / g})
-            print(f"{seqs:>2} seqs x {pairs:>3} pairs (context {context}): head {1e3 * h:7.2f} ms "
-                  f"({1e6 * h / n:5.1f} us a pair), target {1e3 * g:7.2f} ms, head / target {h / g:.3f}", flush=True)
+            row = {"seqs": seqs, "pairs": pairs, "context": context, "target_ms": 1e3 * g}
+            for m in modes:
+                h = statistics.median(head[m])
+                row.update({f"head_{m}_ms": 1e3 * h, f"head_{m}_us_per_pair": 1e6 * h / n,
+                            f"head_{m}_over_target": h / g})
+            rows.append(row)
+            print(f"{seqs:>2} seqs x {pairs:>3} pairs (context {context}): target {1e3 * g:7.2f} ms; head "
+                  + ", ".join(f"{m} {row[f'head_{m}_ms']:7.2f} ms ({row[f'head_{m}_us_per_pair']:5.1f} us a pair)"
+                              for m in modes), flush=True)
     bd.write_result(args.out, {"config": vars(args), "rows": rows, "source_digest": source,
                                "source_changed": source != bd.source_digest(), "git_head": bd.git_head()})
 

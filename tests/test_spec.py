@@ -556,13 +556,15 @@ def test_native_draft_tree_equals_the_per_level_python_path(tiny_llama, tmp_path
 
 @pytest.mark.skipif(kernels.native() is None, reason="no native kernels on this CPU or no compiler")
 def test_catch_ups_in_native_chunks_write_the_heads_kv_and_keep_outputs(tiny_llama, head_dir):
-    """A backlog of pending pairs (a prompt's, at its first draft) is consumed in forwards of
-    the native head stack's rows: the head's KV at those pairs is the one-forward catch-up's (to
-    float32 rounding: other kernels) and outputs stay plain decoding's."""
+    """A short backlog of pending pairs (a prompt's, at its first draft) is consumed in forwards
+    of the native head stack's rows, a long one in one forward: the head's KV at those pairs is
+    the one-forward catch-up's (to float32 rounding: other kernels) and outputs stay plain
+    decoding's."""
+    from engine.spec.eagle_drafter import CATCHUP_CHUNKED_MAX
     kw = dict(KW, dtype="float32")
     spec = SpecConfig("eagle2", total_tokens=6, depth=3, top_k=2)
     rng = random.Random(3)
-    ps = [[rng.randrange(3, 300) for _ in range(n)] for n in (23, 41, 18)]
+    ps = [[rng.randrange(3, 300) for _ in range(n)] for n in (23, 41, 18, 90)]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     ref = [o.token_ids for o in LLM(tiny_llama[0], **kw).generate(ps, params)]
     runs = {}
@@ -590,6 +592,8 @@ def test_catch_ups_in_native_chunks_write_the_heads_kv_and_keep_outputs(tiny_lla
         runs[chunked] = (written, forwards, dr._catchup_chunk())
     (kv_c, fw_c, chunk), (kv_1, fw_1, _) = runs[True], runs[False]
     assert len(kv_c) == len(kv_1) == len(ps)  # one catch-up per prompt, at its first draft
-    assert max(fw_c) <= chunk < max(fw_1)  # the chunked run never forwarded more pairs than the stack takes
+    # chunks of the stack's rows, but a backlog past CATCHUP_CHUNKED_MAX pairs in one forward
+    assert all(f <= chunk or f > CATCHUP_CHUNKED_MAX for f in fw_c) and max(fw_c) == max(fw_1) == 89
+    assert sum(chunk < f <= CATCHUP_CHUNKED_MAX for f in fw_1) == 3
     for a, b in zip(kv_c, kv_1):
         assert a.shape[2] > chunk and torch.allclose(a, b, atol=1e-5, rtol=1e-4)

@@ -39,6 +39,7 @@ SYNC_BACKLOG = 128  # pending pairs at which a sequence that is not drafting cat
 IDLE_ROUNDS = 64  # rounds without any draft after which catch-ups wait for the next draft
 MAX_BACKLOG = 1024  # pending pairs at which a sequence catches up regardless (bounds a catch-up's forward)
 CATCHUP_SPLIT = 16  # a drafting sequence with more pending pairs consumes them in a forward of their own
+CATCHUP_CHUNKED_MAX = 64  # catch-ups of up to this many pairs run in native-stack chunks (_catchup_chunk)
 
 
 @dataclass
@@ -215,19 +216,8 @@ class EagleDrafter(Drafter):
         t0 = time.perf_counter()
         states = [self.states[s.seq_id] for s in steps]
         counts = [len(st.tokens) - keep for st in states]  # pairs consumed now, per sequence
-        feats = self._consume(steps, counts)
-        chunk = self._catchup_chunk()
-        if chunk:  # forwards of up to `chunk` pairs through the native head stack, sequence by sequence
-            row = 0
-            for s, st, k in zip(steps, states, counts):
-                for a in range(0, k, chunk):
-                    b = min(k, a + chunk)
-                    self._head_forward([SeqSpan(st.tokens[a:b], st.draft_len + a, s.block_table)],
-                                       feats[row + a:row + b])
-                row += k
-        else:
-            spans = [SeqSpan(st.tokens[:k], st.draft_len, s.block_table) for s, st, k in zip(steps, states, counts)]
-            self._head_forward(spans, feats)
+        spans = [SeqSpan(st.tokens[:k], st.draft_len, s.block_table) for s, st, k in zip(steps, states, counts)]
+        self._backlog_forward(spans, self._consume(steps, counts))
         for st, k in zip(states, counts):
             st.draft_len += k
             st.tokens = st.tokens[k:]
@@ -236,18 +226,39 @@ class EagleDrafter(Drafter):
             torch.cuda.synchronize(self.device)
         self.catchup_seconds += time.perf_counter() - t0
 
-    def _catchup_chunk(self) -> int:
-        """Pairs a catch-up forward takes at most where the head's native stack can run them (its
-        row limit, where its fc and fused-feature projections run natively at as many rows), or
-        0: one forward for the whole backlog (the Python path past that limit). Consuming a
-        prompt's pairs through the Python path (oneDNN products, SDPA) took 110-250 us a pair on
-        a Zen 4 EPYC (35-70 pairs in 6-12 ms, a scratch timing of `_catch_up`); chunks of the
-        stack's rows take the few-row kernels instead. The head's KV then comes from the kernels
-        its per-round levels use; drafts are only proposals, so outputs cannot change."""
+    def _backlog_forward(self, spans: list[SeqSpan], feats: torch.Tensor, chunk: int | None = None) -> None:
+        """The head over backlogs of pending pairs (causal spans, `feats` their rows in order):
+        in forwards of at most `chunk` pairs each, sequence by sequence, where chunk (None:
+        _catchup_chunk's) is non-zero, else one forward for all."""
+        chunk = self._catchup_chunk(sum(len(s.token_ids) for s in spans)) if chunk is None else chunk
+        if not chunk:
+            self._head_forward(spans, feats)
+            return
+        row = 0
+        for s in spans:
+            k = len(s.token_ids)
+            for a in range(0, k, chunk):
+                b = min(k, a + chunk)
+                self._head_forward([SeqSpan(s.token_ids[a:b], s.num_cached + a, s.block_table)],
+                                   feats[row + a:row + b])
+            row += k
+
+    def _catchup_chunk(self, pairs: int = 0) -> int:
+        """Pairs a catch-up forward of `pairs` pending pairs in all takes at most: the native head
+        stack's rows where it runs them (its fc and fused-feature projections too) and the
+        backlog is at most CATCHUP_CHUNKED_MAX pairs, else 0: one forward for the whole backlog
+        (the Python path, oneDNN products and SDPA, past the stack's rows). One sequence's short
+        backlog (a prompt's, at its first draft) costs the Python path a new oneDNN shape each
+        time; longer and batched ones are cheaper there than in 16-row chunks
+        (`bench/bench_head_catchup.py --fresh-shapes`, bench/results/head_catchup_s37_zen4.json:
+        one sequence's 50 pairs 12.1 ms in one forward against 9.1 in chunks, 128 pairs 16.6
+        against 18.6, 200 pairs 25.8 against 41.2, 8 x 16 pairs 20.6 against 30.9). The head's KV
+        then comes from the kernels its per-round levels use; drafts are only proposals, so
+        outputs cannot change."""
         head = self.head
         rows = head._stack_max_rows
         if (not self.native_tree or head._stack is None or self.backend.name != "native" or rows < 1
-                or head.fc.native_for(rows) is None
+                or pairs > CATCHUP_CHUNKED_MAX or head.fc.native_for(rows) is None
                 or (head.fc_aux is not None and head.fc_aux.native_for(rows) is None)):
             return 0
         return rows
