@@ -30,7 +30,7 @@ from engine.kv_cache import KVCache
 from engine.models.llama import LlamaForCausalLM
 from engine.spec.config import SpecConfig
 from engine.spec.drafters import Drafter
-from engine.spec.eagle_head import EagleHead, shares_target_rotary
+from engine.spec.eagle_head import _NONE, EagleHead, shares_target_rotary
 from engine.spec.tree import Candidates, DraftTree, build_tree, root_only, select_best
 from engine.step_io import SeqStep
 
@@ -416,9 +416,6 @@ class EagleDrafter(Drafter):
                              [cands.scores[c] for c in ok])
             keep = [ok[i] for i in select_best(sub, (total or self.spec.total_tokens) - 1)]
         return build_tree(root, cands, keep)
-
-
-_NONE = torch.empty(0)  # an absent tensor argument of the native calls
 
 
 def feature_width(hidden_size: int, aux_layers) -> int:
