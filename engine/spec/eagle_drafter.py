@@ -93,7 +93,7 @@ class EagleDrafter(Drafter):
                              f"{vocab - 1 if self.static else vocab}")
         self.idle_rounds = 0  # rounds since any sequence drafted
         # every level of a round's trees in one native call where it runs (_native_tree), and
-        # catch-ups in forwards the native head stack takes (_catchup_chunk);
+        # short catch-ups in forwards the native head stack takes (_catchup_chunk);
         # EAGLE_SERVE_NATIVE_DRAFT=0 keeps the per-level Python path and one-forward catch-ups
         # (tests compare the two)
         self.native_tree = os.environ.get("EAGLE_SERVE_NATIVE_DRAFT", "1") != "0"
