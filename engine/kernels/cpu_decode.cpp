@@ -278,23 +278,25 @@ struct DecodeStack {
       std::sort(cands.begin(), cands.end());
       return cands;
     };
+    // a level's top-k of row `row` as children of candidate `parent` (-1: the root) at `depth`;
+    // returns the new candidates' indices
+    auto expand = [&](Grow& gr, int64_t parent, int64_t depth, const double* vp, const int64_t* ip, int64_t row) {
+      std::vector<int64_t> added;
+      for (int64_t r = 0; r < width; ++r) {
+        added.push_back(static_cast<int64_t>(gr.tokens.size()));
+        gr.tokens.push_back(ip[row * width + r]);
+        gr.parents.push_back(parent);
+        gr.scores.push_back(parent < 0 ? vp[row * width + r] : gr.scores[parent] + vp[row * width + r]);
+        gr.depths.push_back(depth);
+      }
+      return added;
+    };
     {
       const torch::Tensor values = lv[2].to(at::kDouble).contiguous(), idx = lv[3].contiguous();
-      const double* vp = values.data_ptr<double>();
-      const int64_t* ip = idx.data_ptr<int64_t>();
-      const int64_t kk = values.size(1);
-      TORCH_CHECK(kk == width, "draft_tree: the draft vocabulary has fewer tokens than width");
+      TORCH_CHECK(values.size(1) == width, "draft_tree: the draft vocabulary has fewer tokens than width");
       for (int64_t b = 0; b < B; ++b) {
         Grow& gr = g[b];
-        std::vector<int64_t> all(width);
-        for (int64_t r = 0; r < width; ++r) {
-          gr.tokens.push_back(ip[b * kk + r]);
-          gr.parents.push_back(-1);
-          gr.scores.push_back(vp[b * kk + r]);
-          gr.depths.push_back(1);
-          all[r] = r;
-        }
-        gr.frontier = next_frontier(gr, all);
+        gr.frontier = next_frontier(gr, expand(gr, -1, 1, values.data_ptr<double>(), idx.data_ptr<int64_t>(), b));
         gr.frontier_feats = lv[1].narrow(0, b, 1).expand({static_cast<int64_t>(gr.frontier.size()), -1});
       }
     }
@@ -332,9 +334,6 @@ struct DecodeStack {
       }
       auto out = run_level(toks, cached, tabs, pos, masks, mcached, torch::cat(fs), 0, all_rows);
       const torch::Tensor values = out[2].to(at::kDouble).contiguous(), idx = out[3].contiguous();
-      const double* vp = values.data_ptr<double>();
-      const int64_t* ip = idx.data_ptr<int64_t>();
-      const int64_t kk = values.size(1);
       int64_t row = 0;
       for (size_t j = 0; j < n; ++j) {
         Grow& gr = g[todo[j]];
@@ -343,14 +342,8 @@ struct DecodeStack {
         std::vector<int64_t> added;
         gr.scratch.insert(gr.scratch.end(), expanded.begin(), expanded.end());
         for (int64_t c : expanded) {
-          for (int64_t r = 0; r < width; ++r) {
-            added.push_back(static_cast<int64_t>(gr.tokens.size()));
-            gr.tokens.push_back(ip[row * kk + r]);
-            gr.parents.push_back(c);
-            gr.scores.push_back(gr.scores[c] + vp[row * kk + r]);
-            gr.depths.push_back(depth);
-          }
-          ++row;
+          const auto kids = expand(gr, c, depth, values.data_ptr<double>(), idx.data_ptr<int64_t>(), row++);
+          added.insert(added.end(), kids.begin(), kids.end());
         }
         gr.frontier = depth < max_depth[todo[j]] ? next_frontier(gr, added) : std::vector<int64_t>();
         std::vector<int64_t> parent_rows;

@@ -255,13 +255,9 @@ class EagleDrafter(Drafter):
         against 18.6, 200 pairs 25.8 against 41.2, 8 x 16 pairs 20.6 against 30.9). The head's KV
         then comes from the kernels its per-round levels use; drafts are only proposals, so
         outputs cannot change."""
-        head = self.head
-        rows = head._stack_max_rows
-        if (not self.native_tree or head._stack is None or self.backend.name != "native" or rows < 1
-                or pairs > CATCHUP_CHUNKED_MAX or head.fc.native_for(rows) is None
-                or (head.fc_aux is not None and head.fc_aux.native_for(rows) is None)):
+        if not self.native_tree or pairs > CATCHUP_CHUNKED_MAX:
             return 0
-        return rows
+        return self.head.native_rows(self.backend)
 
     def confidence(self, seq_id: int) -> tuple[tuple[float, ...], tuple[int, ...]]:
         return self._confidence.pop(seq_id, ((), ()))
@@ -288,36 +284,23 @@ class EagleDrafter(Drafter):
         return hidden, rows, values.tolist(), indices.tolist()
 
     def _native_tree(self, steps: list[SeqStep], max_depths: list[int]) -> list[Growth] | None:
-        """Every level of the round's EAGLE-2 trees in one native call (DecodeStack.draft_tree:
+        """Every level of the round's EAGLE-2 trees in one native call (EagleHead.tree:
         _first_depth and each _grow with the same kernels, numbers and bookkeeping, without a
         Python round trip a level), or None where the Python path must run: EAGLE-1's static
-        trees, no native head stack (or one built before draft_tree), the full-vocabulary draft,
-        more rows in a level than the native kernels take, or `native_tree` off."""
-        head = self.head
-        stack = head._stack
-        if (not self.native_tree or self.static or stack is None or not hasattr(stack, "draft_tree")
-                or self.backend.name != "native" or head.lm_head is None
-                or self.target.model.embed_tokens.weight.dtype != self.features.dtype):
+        trees, `native_tree` off, or a level the native head does not take (EagleHead.tree_runs)."""
+        if not self.native_tree or self.static:
             return None
         states = [self.states[s.seq_id] for s in steps]
-        first = sum(len(st.tokens) for st in states)
-        rows = max(first, len(steps) * self.width)  # a level's most rows: the first, or B frontiers of top_k
-        aux = head.fc_aux if head.aux_layers else None
-        if (rows > head._stack_max_rows or head.fc.native_for(rows) is None
-                or head.lm_head.native_for(rows) is None or (aux is not None and aux.native_for(first) is None)):
-            return None
-        none = _NONE
-        lins = (head.fc, aux, head.lm_head)
         pending = [st.tokens for st in states]
-        feats = self._consume(steps, [len(t) for t in pending])
-        tokens, parents, scores, depths, counts = stack.draft_tree(
-            pending, [st.draft_len for st in states], [s.block_table for s in steps], max_depths, feats,
-            len(head.aux_layers), self.target.model.embed_tokens.weight,
-            [m.native_weight if m is not None else none for m in lins],
-            [m.int8_weight if m is not None and m.int8_weight is not None else none for m in lins],
-            [m.int8_max_rows if m is not None else 0 for m in lins],
-            head.fc.bias if head.fc.bias is not None else none, head.d2t if head.d2t is not None else none,
-            self.width, self.spec.top_k, self.block_size, self.kv.data, self.rotary.cos_table, self.rotary.sin_table)
+        # a level's most rows: the first (every pending pair), or every sequence's top_k frontier
+        rows = max(sum(len(t) for t in pending), len(steps) * self.width)
+        embed = self.target.model.embed_tokens
+        if not self.head.tree_runs(rows, self.backend, embed, self.features.dtype):
+            return None
+        tokens, parents, scores, depths, counts = self.head.tree(
+            pending, [st.draft_len for st in states], [s.block_table for s in steps], max_depths,
+            self._consume(steps, [len(t) for t in pending]), embed, self.kv, self.rotary, self.width,
+            self.spec.top_k, self.block_size)
         for st in states:
             st.draft_len += len(st.tokens)
             st.tokens = []
@@ -325,7 +308,7 @@ class EagleDrafter(Drafter):
         growths, at = [], 0
         for n, d in zip(counts.tolist(), max_depths):
             cut = slice(at, at + n)
-            growths.append(Growth(Candidates(tokens[cut], parents[cut], scores[cut]), depths[cut], [], none,
+            growths.append(Growth(Candidates(tokens[cut], parents[cut], scores[cut]), depths[cut], [], _NONE,
                                   max_depth=d))
             at += n
         return growths

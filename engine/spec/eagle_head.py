@@ -115,6 +115,37 @@ class EagleHead(nn.Module):
             batch.kv_gather.view(batch.num_seqs, -1), batch.kv_lens, batch.q_seq, batch.q_row, batch.mask_3d(),
             rotary.cos_table, rotary.sin_table, batch.positions)
 
+    def native_rows(self, backend: AttentionBackend) -> int:
+        """The most rows one native forward of the head takes here (its stack, fc and fused-feature
+        projection natively), or 0 where it does not run."""
+        rows = self._stack_max_rows
+        if (self._stack is None or backend.name != "native" or rows < 1 or self.fc.native_for(rows) is None
+                or (self.fc_aux is not None and self.fc_aux.native_for(rows) is None)):
+            return 0
+        return rows
+
+    def tree_runs(self, rows: int, backend: AttentionBackend, embed: nn.Embedding, dtype: torch.dtype) -> bool:
+        """Whether `tree` runs a draft whose levels have at most `rows` rows: the native head
+        stack takes them (native_rows), the draft LM head is a reduced vocabulary's and takes them
+        natively, and the embeddings and features share a dtype."""
+        return (rows <= self.native_rows(backend) and self.lm_head is not None
+                and self.lm_head.native_for(rows) is not None and embed.weight.dtype == dtype
+                and hasattr(self._stack, "draft_tree"))  # (a kernel module built before it)
+
+    def tree(self, pending: list[list[int]], draft_len: list[int], tables: list[list[int]], max_depths: list[int],
+             features: torch.Tensor, embed: nn.Embedding, kv: KVCache, rotary, width: int, top_k: int,
+             block_size: int):
+        """A round's whole EAGLE-2 draft in one native call (DecodeStack.draft_tree), where
+        tree_runs said it runs: (tokens, parents, scores, depths, counts) tensors."""
+        lins = (self.fc, self.fc_aux, self.lm_head)
+        return self._stack.draft_tree(
+            pending, draft_len, tables, max_depths, features, len(self.aux_layers), embed.weight,
+            [m.native_weight if m is not None else _NONE for m in lins],
+            [m.int8_weight if m is not None and m.int8_weight is not None else _NONE for m in lins],
+            [m.int8_max_rows if m is not None else 0 for m in lins],
+            self.fc.bias if self.fc.bias is not None else _NONE, self.d2t if self.d2t is not None else _NONE,
+            width, top_k, block_size, kv.data, rotary.cos_table, rotary.sin_table)
+
     def prepack(self, native: bool = True, int8: bool = False) -> int:
         """Prepack every linear; with the native kernels, the layer becomes a one-layer DecodeStack
         (no input norm, no final norm) for batches of up to as many rows as its linears take.
