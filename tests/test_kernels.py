@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import kernels
-from engine.layers import SKINNY_MAX_ROWS, Linear
+from engine.layers import SKINNY_MAX_ROWS, Linear, onednn_rows
 
 native = kernels.native()
 
@@ -44,6 +44,33 @@ def test_prepacked_linear_matches_f_linear(dtype, rows):
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(lin(x).float(), want, rtol=tol, atol=tol)
 
+
+
+def test_onednn_rows_buckets_row_counts():
+    assert [onednn_rows(m) for m in (17, 32, 33, 256, 257, 1024, 1025)] == [32, 32, 48, 256, 320, 1024, 1280]
+    assert all(onednn_rows(m) >= m and onednn_rows(m) - m < 256 for m in range(1, 3000))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_onednn_products_padded_to_a_bucket_give_each_rows_own_result(dtype):
+    """Linear pads oneDNN's rows up to onednn_rows (so a new row count reuses a built kernel):
+    every row must come out as the unpadded product computes it, bit for bit, and as the same
+    row in a product of more rows."""
+    lin = Linear(576, 1536, bias=False)
+    gen = torch.Generator().manual_seed(0)
+    lin.weight.data = (torch.randn(1536, 576, generator=gen) / 20).to(dtype)
+    lin.prepack()
+    if lin._packed is None:
+        pytest.skip("no oneDNN prepacked path for this dtype here")
+    lin.bucket_rows = True
+    x = torch.randn(300, 576, generator=gen).to(dtype)
+    whole = torch.ops.mkldnn._linear_pointwise(x, lin._packed, None, "none", [], "")
+    for m in (17, 37, 100, 255, 257, 300):
+        got = lin(x[:m])
+        assert got.shape == (m, 1536) and got.is_contiguous()
+        unpadded = torch.ops.mkldnn._linear_pointwise(x[:m].contiguous(), lin._packed, None, "none", [], "")
+        assert torch.equal(got, unpadded)
+        assert torch.equal(got, whole[:m])
 
 H, Hkv, D, BS = 6, 2, 32, 4  # attention test shapes: GQA, blocks of 4
 

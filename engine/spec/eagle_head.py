@@ -152,6 +152,9 @@ class EagleHead(nn.Module):
         int8: the linears also keep int8 weights (Linear.quantize_int8) for inputs of up to
         INT8_MAX_ROWS rows, the stack's among them; returns the linears prepacked."""
         packed = sum(m.prepack(native) for m in self.modules() if isinstance(m, Linear))
+        for m in self.modules():  # one product a forward each: a new row count's kernels cost more than padding
+            if isinstance(m, Linear):
+                m.bucket_rows = True
         if native and int8:
             for m in self.modules():
                 if isinstance(m, Linear):
