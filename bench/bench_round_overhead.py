@@ -56,6 +56,7 @@ def instrument(llm, by_previous: bool = False) -> dict:
     def timed_execute(seqs, steps):
         tm = runner.timings
         before = (tm.draft, tm.verify, tm.accept)
+        cur["catchup0"] = getattr(runner, "catchup_seconds", 0.0)
         t0 = time.perf_counter()
         out = execute(seqs, steps)
         cur["exec"] = time.perf_counter() - t0
@@ -82,6 +83,10 @@ def instrument(llm, by_previous: bool = False) -> dict:
             row["hop"].append(cur["exec"] - cur["draft"] - cur["verify"] - cur["accept"])
             row["complete"].append(t1 - t0)
             row["round"].append(t1 - cur["t0"])
+            ok = [r for r in cur["results"] if not isinstance(r, BaseException)]
+            row["emitted"].append(sum(len(getattr(r, "token_ids", ())) for r in ok))
+            row["drafted"].append(sum(getattr(r, "num_draft_tokens", 0) for r in ok))
+            row["catchup"].append(getattr(runner, "catchup_seconds", 0.0) - cur["catchup0"])
         cur.clear()
         return out
 
@@ -93,8 +98,16 @@ def summarise(stats: dict) -> dict:
     out = {}
     for kind, row in sorted(stats.items()):
         n = len(row["round"])
+        total = sum(row["round"])
         out[kind] = {"rounds": n, **{f"{p}_ms_mean": 1e3 * statistics.fmean(row[p]) for p in PHASES},
-                     "round_ms_median": 1e3 * statistics.median(row["round"])}
+                     "round_ms_median": 1e3 * statistics.median(row["round"]),
+                     # tokens the rounds emitted, draft tokens they verified, and the catch-ups inside them
+                     "emitted_per_round": sum(row["emitted"]) / n, "drafted_per_round": sum(row["drafted"]) / n,
+                     "catchup_ms_mean": 1e3 * statistics.fmean(row["catchup"]),
+                     "tok_s": sum(row["emitted"]) / total if total > 0 else None,
+                     "tok_s_without_catchup": (sum(row["emitted"]) / (total - sum(row["catchup"]))
+                                               if total - sum(row["catchup"]) > 0 else None),
+                     "seconds": total}
     return out
 
 
@@ -126,11 +139,13 @@ def main(argv=None):
     kinds = {name: summarise(st) for name, st in stats.items()}
     for name, ks in kinds.items():
         print(f"\n{name} (head catch-up {engines[name].runner.catchup_seconds:.2f} s)")
-        print("| round kind | rounds | " + " | ".join(f"{p} ms" for p in PHASES) + " | median round ms |")
-        print("|---|---|" + "---|" * len(PHASES) + "---|")
+        print("| round kind | rounds | " + " | ".join(f"{p} ms" for p in PHASES)
+              + " | median round ms | catch-up ms | drafted | emitted | tok/s | s in all |")
+        print("|---|---|" + "---|" * len(PHASES) + "---|---|---|---|---|---|")
         for k, v in ks.items():
             print(f"| {k} | {v['rounds']} | " + " | ".join(f"{v[p + '_ms_mean']:.2f}" for p in PHASES)
-                  + f" | {v['round_ms_median']:.2f} |")
+                  + f" | {v['round_ms_median']:.2f} | {v['catchup_ms_mean']:.2f} | {v['drafted_per_round']:.2f}"
+                  f" | {v['emitted_per_round']:.2f} | {v['tok_s'] or 0:.1f} | {v['seconds']:.2f} |")
     by_c = collections.defaultdict(dict)
     for r in rows:
         by_c[r["concurrency"]].setdefault(r["engine"], []).append(r["tok_s"])
