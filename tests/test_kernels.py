@@ -252,6 +252,28 @@ def test_native_decode_stack_matches_python_forward(tiny_llama, dtype, tol, aux)
 
 
 @pytest.mark.skipif(native is None, reason="no native kernels on this CPU or no compiler")
+def test_native_decode_stack_refuses_a_slot_outside_the_cache(tiny_llama):
+    """The stack writes K and V straight into the cache's memory: a slot past its end (or
+    negative) is refused before any layer runs, and the cache is left as it was."""
+    from engine.forward_batch import SeqSpan, build_forward_batch
+    from engine.kv_cache import KVCache
+    from engine.loader import load_model
+    from engine.models.llama import native_stack_forward
+    loaded = load_model(tiny_llama[0], torch.float32, torch.device("cpu"), skip_tokenizer=True)
+    model, cfg = loaded.model, loaded.config
+    model.prepack()
+    kv = KVCache(cfg.num_layers, 8, 4, cfg.num_kv_heads, cfg.head_dim, torch.float32, torch.device("cpu"))
+    batch = build_forward_batch([SeqSpan([5, 6], 0, [1])], 4, torch.device("cpu"))
+    h = model.model.embed_tokens(batch.input_ids)
+    before = kv.data.clone()
+    for bad in (kv.data.shape[2], -1):
+        batch.slot_mapping = torch.tensor([4, bad])
+        with pytest.raises(RuntimeError, match="slot out of range"):
+            native_stack_forward(model._stack, h, batch, kv, model.model.rotary)
+        assert torch.equal(kv.data, before)
+
+
+@pytest.mark.skipif(native is None, reason="no native kernels on this CPU or no compiler")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("rows", [1, 5])
 def test_native_aux_norm_matches_the_torch_expression(dtype, tol, rows):

@@ -14,6 +14,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention.h"
 #include "simd.h"
 
 namespace {
@@ -182,86 +183,22 @@ void attend_heads(int64_t G, const T* q, const T* k_cache, const T* v_cache, con
 }
 
 template <typename T>
-void run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc, const torch::Tensor& gather,
-         const torch::Tensor& lens, const torch::Tensor& q_seq, const torch::Tensor& q_row,
-         const torch::Tensor& mask, double scale, torch::Tensor& out) {
-  const int64_t T_ = q.size(0), H = q.size(1), D = q.size(2), Hkv = kc.size(1), G = H / Hkv;
-  const int64_t L = gather.size(1), Q = mask.defined() && mask.numel() ? mask.size(1) : 0;
-  const T* qp = q.data_ptr<T>();
-  const T* kp = kc.data_ptr<T>();
-  const T* vp = vc.data_ptr<T>();
-  const int64_t* gp = gather.data_ptr<int64_t>();
-  const int64_t* lp = lens.data_ptr<int64_t>();
-  const int64_t* sp = q_seq.data_ptr<int64_t>();
-  const int64_t* rp = q_row.data_ptr<int64_t>();
-  const bool* mp = Q ? mask.data_ptr<bool>() : nullptr;
-  T* op = out.data_ptr<T>();
+void run_planned(AttentionPlan& p, const T* qp, const T* kp, const T* vp, T* op, int64_t H, int64_t D, double scale) {
+  const int64_t T_ = p.T, Hkv = p.Hkv, G = H / Hkv, max_chunks = p.max_chunks;
   const auto heads = D == 32 ? attend_heads<T, 2> : D == 64 ? attend_heads<T, 4> : D == 128 ? attend_heads<T, 8>
                                                                                           : attend_heads<T, 0>;
-  // each row's visible keys' slots, in order (without a mask: its sequence's first kv_len)
-  std::vector<const int64_t*> row_slots(T_);
-  std::vector<int64_t> row_len(T_), visible;
-  if (mp) {
-    visible.resize(T_ * L + 8);  // + 8: the last full store of a compress may run past the end
-    int64_t* dst = visible.data();
-    for (int64_t t = 0; t < T_; ++t) {
-      const bool* mrow = mp + (sp[t] * Q + rp[t]) * L;
-      const int64_t* g = gp + sp[t] * L;
-      row_slots[t] = dst;
-      int64_t j = 0;
-#if EAGLE_DPBF16  // (AVX-512's compress; the AVX2 build takes the scalar loop below)
-      for (; j + 8 <= L; j += 8) {  // 8 mask bytes -> the visible ones of 8 slots, packed
-        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mrow + j));
-        const __mmask8 keep = static_cast<__mmask8>(_mm_test_epi8_mask(bytes, bytes));
-        _mm512_storeu_si512(dst, _mm512_maskz_compress_epi64(keep, _mm512_loadu_si512(g + j)));
-        dst += __builtin_popcount(keep);
-      }
-#endif
-      for (; j < L; ++j)
-        if (mrow[j]) *dst++ = g[j];
-      row_len[t] = dst - row_slots[t];
-    }
-  } else {
-    for (int64_t t = 0; t < T_; ++t) {
-      row_slots[t] = gp + sp[t] * L;
-      row_len[t] = lp[sp[t]];
-    }
-  }
-  // work items (row, KV head, chunk), ordered so the rows of one sequence take a chunk's keys
-  // one after another; item_of[(t * Hkv + kvh) * max_chunks + c] is where its state goes
-  std::vector<int64_t> chunks(T_);
-  int64_t max_chunks = 1;
-  for (int64_t t = 0; t < T_; ++t) {
-    chunks[t] = std::max<int64_t>(1, (row_len[t] + CHUNK - 1) / CHUNK);
-    max_chunks = std::max(max_chunks, chunks[t]);
-  }
-  std::vector<int64_t> order(T_);
-  for (int64_t t = 0; t < T_; ++t) order[t] = t;
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return sp[a] < sp[b]; });
-  struct Item { int64_t t, kvh, c; };
-  std::vector<Item> items;
-  std::vector<int64_t> item_of(T_ * Hkv * max_chunks, -1);
-  for (int64_t i0 = 0; i0 < T_;) {  // rows [i0, i1) of `order` share a sequence
-    int64_t i1 = i0;
-    int64_t most = 0;
-    while (i1 < T_ && sp[order[i1]] == sp[order[i0]]) most = std::max(most, chunks[order[i1++]]);
-    for (int64_t kvh = 0; kvh < Hkv; ++kvh)
-      for (int64_t c = 0; c < most; ++c)
-        for (int64_t i = i0; i < i1; ++i)
-          if (c < chunks[order[i]]) {
-            item_of[(order[i] * Hkv + kvh) * max_chunks + c] = static_cast<int64_t>(items.size());
-            items.push_back({order[i], kvh, c});
-          }
-    i0 = i1;
-  }
+  const auto& items = p.items;
+  const auto& item_of = p.item_of;
+  const auto& chunks = p.chunks;
   const int64_t width = 2 * G + G * D;  // one item's state: m [G], denom [G], acc [G, D]
-  std::vector<float> states(items.size() * width);
+  p.states.resize(items.size() * width);
+  float* states = p.states.data();
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const Item it = items[i];
-      const int64_t first = it.c * CHUNK, n = std::min<int64_t>(CHUNK, row_len[it.t] - first);
-      float* st = states.data() + i * width;
-      heads(G, qp + (it.t * H + it.kvh * G) * D, kp + it.kvh * D, vp + it.kvh * D, row_slots[it.t] + first,
+      const AttentionPlan::Item it = items[i];
+      const int64_t first = it.c * CHUNK, n = std::min<int64_t>(CHUNK, p.row_len[it.t] - first);
+      float* st = states + i * width;
+      heads(G, qp + (it.t * H + it.kvh * G) * D, kp + it.kvh * D, vp + it.kvh * D, p.row_slots[it.t] + first,
             std::max<int64_t>(n, 0), Hkv * D, D, static_cast<float>(scale), State{st, st + G, st + 2 * G});
     }
   });
@@ -271,7 +208,7 @@ void run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& v
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t t = i / Hkv, kvh = i % Hkv, h0 = kvh * G;
       const int64_t* idx = item_of.data() + i * max_chunks;
-      const float* first = states.data() + idx[0] * width;
+      const float* first = states + idx[0] * width;
       for (int64_t g = 0; g < G; ++g) {
         float m = first[g];
         for (int64_t c = 1; c < chunks[t]; ++c) m = std::max(m, states[idx[c] * width + g]);
@@ -279,7 +216,7 @@ void run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& v
         float* a = acc.data() + g * D;
         std::fill(a, a + D, 0.f);
         for (int64_t c = 0; c < chunks[t]; ++c) {
-          const float* st = states.data() + idx[c] * width;
+          const float* st = states + idx[c] * width;
           const float w = chunks[t] == 1 ? 1.f : (st[g] == -INFINITY ? 0.f : std::exp(st[g] - m));
           denom += w * st[G + g];
           const float* sa = st + 2 * G + g * D;
@@ -295,16 +232,101 @@ void run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& v
 
 }  // namespace
 
+void plan_attention(AttentionPlan& p, const torch::Tensor& gather, const torch::Tensor& lens,
+                    const torch::Tensor& q_seq, const torch::Tensor& q_row, const torch::Tensor& mask, int64_t T_,
+                    int64_t Hkv) {
+  TORCH_CHECK(gather.dim() == 2 && gather.is_contiguous() && gather.scalar_type() == at::kLong, "kv_gather: [B, L] int64");
+  TORCH_CHECK(lens.is_contiguous() && q_seq.is_contiguous() && q_row.is_contiguous() && q_seq.numel() >= T_ &&
+              q_row.numel() >= T_, "kv_lens, q_seq, q_row: contiguous int64");
+  p.T = T_;
+  p.Hkv = Hkv;
+  p.gather = gather;
+  const int64_t L = gather.size(1), Q = mask.defined() && mask.numel() ? mask.size(1) : 0;
+  const int64_t* gp = gather.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  const int64_t* sp = q_seq.data_ptr<int64_t>();
+  const int64_t* rp = q_row.data_ptr<int64_t>();
+  const bool* mp = Q ? mask.data_ptr<bool>() : nullptr;
+  // each row's visible keys' slots, in order (without a mask: its sequence's first kv_len)
+  p.row_slots.assign(T_, nullptr);
+  p.row_len.assign(T_, 0);
+  if (mp) {
+    p.visible.resize(T_ * L + 8);  // + 8: the last full store of a compress may run past the end
+    int64_t* dst = p.visible.data();
+    for (int64_t t = 0; t < T_; ++t) {
+      const bool* mrow = mp + (sp[t] * Q + rp[t]) * L;
+      const int64_t* g = gp + sp[t] * L;
+      p.row_slots[t] = dst;
+      int64_t j = 0;
+#if EAGLE_DPBF16  // (AVX-512's compress; the AVX2 build takes the scalar loop below)
+      for (; j + 8 <= L; j += 8) {  // 8 mask bytes -> the visible ones of 8 slots, packed
+        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mrow + j));
+        const __mmask8 keep = static_cast<__mmask8>(_mm_test_epi8_mask(bytes, bytes));
+        _mm512_storeu_si512(dst, _mm512_maskz_compress_epi64(keep, _mm512_loadu_si512(g + j)));
+        dst += __builtin_popcount(keep);
+      }
+#endif
+      for (; j < L; ++j)
+        if (mrow[j]) *dst++ = g[j];
+      p.row_len[t] = dst - p.row_slots[t];
+    }
+  } else {
+    for (int64_t t = 0; t < T_; ++t) {
+      p.row_slots[t] = gp + sp[t] * L;
+      p.row_len[t] = lp[sp[t]];
+    }
+  }
+  // work items (row, KV head, chunk), ordered so the rows of one sequence take a chunk's keys
+  // one after another; item_of[(t * Hkv + kvh) * max_chunks + c] is where its state goes
+  p.chunks.assign(T_, 1);
+  p.max_chunks = 1;
+  for (int64_t t = 0; t < T_; ++t) {
+    p.chunks[t] = std::max<int64_t>(1, (p.row_len[t] + CHUNK - 1) / CHUNK);
+    p.max_chunks = std::max(p.max_chunks, p.chunks[t]);
+  }
+  std::vector<int64_t> order(T_);
+  for (int64_t t = 0; t < T_; ++t) order[t] = t;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return sp[a] < sp[b]; });
+  p.items.clear();
+  p.item_of.assign(T_ * Hkv * p.max_chunks, -1);
+  for (int64_t i0 = 0; i0 < T_;) {  // rows [i0, i1) of `order` share a sequence
+    int64_t i1 = i0;
+    int64_t most = 0;
+    while (i1 < T_ && sp[order[i1]] == sp[order[i0]]) most = std::max(most, p.chunks[order[i1++]]);
+    for (int64_t kvh = 0; kvh < Hkv; ++kvh)
+      for (int64_t c = 0; c < most; ++c)
+        for (int64_t i = i0; i < i1; ++i)
+          if (c < p.chunks[order[i]]) {
+            p.item_of[(order[i] * Hkv + kvh) * p.max_chunks + c] = static_cast<int64_t>(p.items.size());
+            p.items.push_back({order[i], kvh, c});
+          }
+    i0 = i1;
+  }
+}
+
+void attend_planned(AttentionPlan& p, at::ScalarType dtype, const void* q, const void* k_cache, const void* v_cache,
+                    void* out, int64_t H, int64_t D, double scale) {
+  TORCH_CHECK(D % 16 == 0 && D <= 256, "head_dim must be a multiple of 16, at most 256");
+  TORCH_CHECK(p.Hkv > 0 && H % p.Hkv == 0, "heads must be a multiple of kv heads");
+  if (dtype == at::kBFloat16)
+    run_planned<at::BFloat16>(p, static_cast<const at::BFloat16*>(q), static_cast<const at::BFloat16*>(k_cache),
+                              static_cast<const at::BFloat16*>(v_cache), static_cast<at::BFloat16*>(out), H, D, scale);
+  else if (dtype == at::kFloat)
+    run_planned<float>(p, static_cast<const float*>(q), static_cast<const float*>(k_cache),
+                       static_cast<const float*>(v_cache), static_cast<float*>(out), H, D, scale);
+  else TORCH_CHECK(false, "dtype must be float32 or bfloat16");
+}
+
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor kv_gather,
                               torch::Tensor kv_lens, torch::Tensor q_seq, torch::Tensor q_row, torch::Tensor mask,
                               double scale) {
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
-  TORCH_CHECK(q.size(2) % 16 == 0 && q.size(2) <= 256, "head_dim must be a multiple of 16, at most 256");
-  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "heads must be a multiple of kv heads");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(), "one dtype");
+  AttentionPlan p;
+  plan_attention(p, kv_gather.contiguous(), kv_lens, q_seq, q_row, mask, q.size(0), k_cache.size(1));
   auto out = torch::empty_like(q);
-  if (q.scalar_type() == at::kBFloat16) run<at::BFloat16>(q, k_cache, v_cache, kv_gather, kv_lens, q_seq, q_row, mask, scale, out);
-  else if (q.scalar_type() == at::kFloat) run<float>(q, k_cache, v_cache, kv_gather, kv_lens, q_seq, q_row, mask, scale, out);
-  else TORCH_CHECK(false, "dtype must be float32 or bfloat16");
+  attend_planned(p, q.scalar_type(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), q.size(1),
+                 q.size(2), scale);
   return out.view({q.size(0), q.size(1) * q.size(2)});
 }
 
@@ -359,13 +381,24 @@ void rms_rows(T* x, const T* delta, const T* weight, T* out, int64_t rows, int64
 
 // x <- x + residual_in; returns rms_norm(x) * weight (float32 math). Fuses the residual add and
 // the next norm, which cost more in dispatch than in arithmetic at decode sizes.
-torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor weight, double eps) {
+// (into `out`, a buffer of x's shape and dtype: the decode stack's, reused by every layer)
+void add_rms_norm_into(const torch::Tensor& x, const torch::Tensor& delta, const torch::Tensor& weight, double eps,
+                       const torch::Tensor& out) {
   TORCH_CHECK(x.is_contiguous() && delta.is_contiguous() && x.sizes() == delta.sizes(), "x, delta");
-  auto out = torch::empty_like(x);
+  TORCH_CHECK(x.dim() == 2 && weight.is_contiguous() && weight.numel() == x.size(1), "weight [n]");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == x.sizes(), "out: x's shape");
+  TORCH_CHECK(delta.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type() &&
+              out.scalar_type() == x.scalar_type(), "x, delta, weight and out share a dtype");
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "add_rms_norm", [&] {
     rms_rows<scalar_t>(x.data_ptr<scalar_t>(), delta.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),
                        out.data_ptr<scalar_t>(), x.size(0), x.size(1), static_cast<float>(eps));
   });
+}
+
+torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.is_contiguous(), "x");
+  auto out = torch::empty_like(x);
+  add_rms_norm_into(x, delta, weight, eps, out);
   return out;
 }
 

@@ -11,13 +11,19 @@
 #include <torch/extension.h>
 #include <immintrin.h>
 
+#include "attention.h"
 #include "simd.h"
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
 torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, bool float_out);
+torch::Tensor skinny_linear_into(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
+                                bool float_out, const torch::Tensor* into);
+void add_rms_norm_into(const torch::Tensor& x, const torch::Tensor& delta, const torch::Tensor& weight, double eps,
+                       const torch::Tensor& out);
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor kv_gather,
                               torch::Tensor kv_lens, torch::Tensor q_seq, torch::Tensor q_row, torch::Tensor mask,
                               double scale);
@@ -139,32 +145,63 @@ struct DecodeStack {
       explicit Streaming(bool on) { stream_nta = on; }
       ~Streaming() { stream_nta = before; }
     } streaming(weight_bytes > STREAM_NTA_BYTES);
+    TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && kv.is_contiguous() && kv.dim() == 5 && kv.size(0) == qkv.size() &&
+                kv.size(3) == kv_heads && kv.size(4) == D && kv.scalar_type() == h.scalar_type(),
+                "forward: h [T, hidden], kv [layers, 2, S, kv_heads, head_dim] contiguous, one dtype");
+    TORCH_CHECK(slot_mapping.is_contiguous() && slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == T,
+                "forward: slot_mapping [T] int64");
+    TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == T && sin.size(0) == T, "forward: cos, sin [T, D]");
+    const int64_t S = kv.size(2), slot_elems = kv_size, layer_elems = 2 * S * kv_size;
+    const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+    for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slots[t] >= 0 && slots[t] < S, "forward: slot out of range");
+    // which keys each row sees, planned once for every layer; the buffers every layer reuses
+    // (one allocation each a forward, not a dozen tensor ops a layer: select, narrow, reshape,
+    // index_copy_, contiguous and their outputs, on the calling thread while the other waited: 1.4
+    // ms a token of plain decoding went; plain decoding 1.145x, a 4x2x2 tree 1.096x side by side,
+    // bench/results/kernels_ab_s39_stack_buffers.json)
+    AttentionPlan plan;
+    plan_attention(plan, kv_gather, kv_lens, q_seq, q_row, mask, T, kv_heads);
+    const auto opts = h.options();
     torch::Tensor residual = h.clone();
     torch::Tensor delta = torch::zeros_like(h);
-    torch::Tensor act = torch::empty({T, inter}, h.options());
+    torch::Tensor xn = torch::empty_like(h);
+    torch::Tensor fused = torch::empty({T, q_size + 2 * kv_size}, opts);
+    torch::Tensor q = torch::empty({T, q_size}, opts);
+    torch::Tensor attn = torch::empty({T, q_size}, opts);
+    torch::Tensor gu = torch::empty({T, 2 * inter}, opts);
+    torch::Tensor act = torch::empty({T, inter}, opts);
+    const int64_t esize = h.element_size(), fw = q_size + 2 * kv_size;
+    char* kvp = static_cast<char*>(kv.data_ptr());
     std::vector<torch::Tensor> aux(aux_layers.size());
     for (size_t l = 0; l < qkv.size(); ++l) {
       // delta is 0 for layer 0; an empty norm weight means no input norm (the EAGLE head's layer)
-      torch::Tensor x = in_norm[l].numel() ? add_rms_norm(residual, delta, in_norm[l], eps) : residual.add_(delta);
-      torch::Tensor fused = skinny_linear(x, pick(qkv, qkv8, l), opt(qkv_bias[l]), false);  // [T, q + 2 kv]
+      const torch::Tensor* x = &xn;
+      if (in_norm[l].numel()) add_rms_norm_into(residual, delta, in_norm[l], eps, xn);
+      else { residual.add_(delta); x = &residual; }
+      skinny_linear_into(*x, pick(qkv, qkv8, l), opt(qkv_bias[l]), false, &fused);  // [T, q + 2 kv]
       AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, h.scalar_type(), "rope", [&] {
-        rope_inplace<scalar_t>(fused.data_ptr<scalar_t>(), T, q_size + 2 * kv_size, heads + kv_heads, D,
+        rope_inplace<scalar_t>(fused.data_ptr<scalar_t>(), T, fw, heads + kv_heads, D,
                                cos.data_ptr<float>(), sin.data_ptr<float>());
       });
-      torch::Tensor k = fused.narrow(1, q_size, kv_size).reshape({T, kv_heads, D});
-      torch::Tensor v = fused.narrow(1, q_size + kv_size, kv_size).reshape({T, kv_heads, D});
-      torch::Tensor k_cache = kv.select(0, l).select(0, 0), v_cache = kv.select(0, l).select(0, 1);
-      k_cache.index_copy_(0, slot_mapping, k);
-      v_cache.index_copy_(0, slot_mapping, v);
-      torch::Tensor q = fused.narrow(1, 0, q_size).reshape({T, heads, D}).contiguous();
-      torch::Tensor attn = paged_attention(q, k_cache, v_cache, kv_gather, kv_lens, q_seq, q_row, mask, scale);
-      torch::Tensor out = skinny_linear(attn.contiguous(), pick(o, o8, l), opt(o_bias[l]), false);
-      x = add_rms_norm(residual, out, post_norm[l], eps);
-      torch::Tensor gu = skinny_linear(x, pick(gate_up, gate_up8, l), c10::nullopt, false);
+      // the rows' K and V into their cache slots, their queries side by side
+      char* k_cache = kvp + l * layer_elems * esize;
+      char* v_cache = k_cache + S * kv_size * esize;
+      const char* fp = static_cast<const char*>(fused.data_ptr());
+      char* qp = static_cast<char*>(q.data_ptr());
+      for (int64_t t = 0; t < T; ++t) {
+        const char* row = fp + t * fw * esize;
+        std::memcpy(qp + t * q_size * esize, row, q_size * esize);
+        std::memcpy(k_cache + slots[t] * slot_elems * esize, row + q_size * esize, kv_size * esize);
+        std::memcpy(v_cache + slots[t] * slot_elems * esize, row + (q_size + kv_size) * esize, kv_size * esize);
+      }
+      attend_planned(plan, h.scalar_type(), q.data_ptr(), k_cache, v_cache, attn.data_ptr(), heads, D, scale);
+      skinny_linear_into(attn, pick(o, o8, l), opt(o_bias[l]), false, &delta);
+      add_rms_norm_into(residual, delta, post_norm[l], eps, xn);
+      skinny_linear_into(xn, pick(gate_up, gate_up8, l), c10::nullopt, false, &gu);
       AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, h.scalar_type(), "silu_mul", [&] {
         silu_mul<scalar_t>(gu.data_ptr<scalar_t>(), act.data_ptr<scalar_t>(), T, inter);
       });
-      delta = skinny_linear(act, pick(down, down8, l), c10::nullopt, false);
+      skinny_linear_into(act, pick(down, down8, l), c10::nullopt, false, &delta);
       for (size_t j = 0; j < aux_layers.size(); ++j)
         if (aux_layers[j] == static_cast<int64_t>(l)) aux[j] = delta + residual;  // the layer's output
     }

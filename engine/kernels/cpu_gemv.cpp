@@ -317,14 +317,24 @@ torch::Tensor pack_bf16(torch::Tensor w) {
   return w.view({N / 32, 32, K / 2, 2}).permute({0, 2, 1, 3}).contiguous().view({N / 32, K / 2, 64});
 }
 
+// A product's output [M, N]: `into` where the caller gives one (the decode stack's buffers,
+// reused by every layer), else a new tensor; float32 for float_out, else x's dtype.
+static torch::Tensor output(const torch::Tensor& x, int64_t M, int64_t N, bool float_out, const torch::Tensor* into) {
+  const auto dtype = float_out ? at::kFloat : x.scalar_type();
+  if (!into) return torch::empty({M, N}, x.options().dtype(dtype));
+  TORCH_CHECK(into->dim() == 2 && into->size(0) == M && into->size(1) == N && into->is_contiguous() &&
+              into->scalar_type() == dtype, "into: contiguous [M, N] of the output's dtype");
+  return *into;
+}
+
 torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& wp, const c10::optional<torch::Tensor>& bias,
-                            bool float_out) {
+                            bool float_out, const torch::Tensor* into = nullptr) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, "x: contiguous bf16 [M, K]");
   TORCH_CHECK(wp.dim() == 3 && wp.size(2) == 64 && wp.scalar_type() == at::kBFloat16, "wp: pack_bf16 output");
   const int64_t M = x.size(0), K = wp.size(1) * 2, N = wp.size(0) * 32;
   TORCH_CHECK(x.size(1) == K, "x [M, K] does not match the packed weight's K");
   if (bias) TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == at::kBFloat16, "bias");
-  auto y = torch::empty({M, N}, float_out ? x.options().dtype(at::kFloat) : x.options());
+  torch::Tensor y = output(x, M, N, float_out, into);
   auto xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   auto wpp = reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>());
   auto bp = bias ? reinterpret_cast<const uint16_t*>(bias->data_ptr<at::BFloat16>()) : nullptr;
@@ -490,7 +500,7 @@ torch::Tensor unpack_int8(torch::Tensor wq) {
 }
 
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& wq, const c10::optional<torch::Tensor>& bias,
-                          bool float_out) {
+                          bool float_out, const torch::Tensor* into = nullptr) {
   TORCH_CHECK(wq.dim() == 3 && wq.scalar_type() == at::kChar && wq.size(2) == INT8_TILE && wq.size(1) > 4 &&
               wq.is_contiguous(), "wq: pack_int8 output");
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
@@ -498,7 +508,7 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& wq, const
   const int64_t M = x.size(0), K = wq.size(1) - 4, N = wq.size(0) * INT8_TILE;
   TORCH_CHECK(x.size(1) == K, "x [M, K] does not match the int8 weight's K");
   if (bias) TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == x.scalar_type(), "bias");
-  auto y = torch::empty({M, N}, float_out ? x.options().dtype(at::kFloat) : x.options());
+  torch::Tensor y = output(x, M, N, float_out, into);
   if (M == 0) return y;
   const torch::Tensor x32 = x.to(at::kFloat).contiguous();  // broadcast from memory, one input at a time
   const float* xp = x32.data_ptr<float>();
@@ -535,15 +545,16 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& wq, const
   return y;
 }
 
-torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, bool float_out) {
-  if (w.dim() == 3 && w.scalar_type() == at::kChar) return int8_linear(x, w, bias, float_out);  // pack_int8's layout
-  if (w.dim() == 3) return packed_linear(x, w, bias, float_out);  // pack_bf16's layout
+torch::Tensor skinny_linear_into(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
+                                bool float_out, const torch::Tensor* into) {
+  if (w.dim() == 3 && w.scalar_type() == at::kChar) return int8_linear(x, w, bias, float_out, into);  // pack_int8's layout
+  if (w.dim() == 3) return packed_linear(x, w, bias, float_out, into);  // pack_bf16's layout
   check(x, w, bias);
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   // float_out keeps the float32 accumulator instead of rounding to bf16 (the LM head: rounding
   // logits of ~25 to bf16 steps of 0.125 would manufacture exact ties)
-  auto y = torch::empty({M, N}, float_out ? x.options().dtype(at::kFloat) : x.options());
+  torch::Tensor y = output(x, M, N, float_out, into);
   TORCH_CHECK(bf16 || x.scalar_type() == at::kFloat, "dtype must be float32 or bfloat16");
   if (bf16) {
     auto xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
@@ -572,6 +583,10 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
     });
   }
   return y;
+}
+
+torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, bool float_out) {
+  return skinny_linear_into(x, w, bias, float_out, nullptr);
 }
 
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor kv_gather,
