@@ -54,6 +54,36 @@ def test_tree_builder_matches_hand_computed_tree():
     assert walk(tree, chosen=[3, 0, 0, 0, 0]).tokens == [3]
 
 
+@pytest.mark.parametrize("nodes", [[1], [2], [1, 2], [1, 3], [2, 3], [3, 5, 6], [1, 2, 3, 4]])
+def test_compaction_moves_accepted_nodes_as_one_gather_and_scatter_would(nodes):
+    # node by node, in order, skipping nodes already in place, across a block boundary: the KV a
+    # single advanced-index gather then scatter leaves (every source read before any write)
+    from types import SimpleNamespace
+
+    from engine.model_runner import ModelRunner
+    data = torch.randn(2, 2, 32, 3, 4, dtype=torch.float64)
+    table, root, bs = [5, 2, 7], 5, 4  # root at position 5: nodes spill from block 2 into block 7
+    slot = lambda p: table[p // bs] * bs + p % bs  # noqa: E731
+    want = data.clone()
+    src = torch.tensor([slot(root + n) for n in nodes])
+    dst = torch.tensor([slot(root + j) for j in range(1, len(nodes) + 1)])
+    want[:, :, dst] = want[:, :, src]
+    runner = SimpleNamespace(config=SimpleNamespace(block_size=bs), kv=SimpleNamespace(data=data))
+    ModelRunner._compact(runner, table, root, nodes)
+    assert torch.equal(data, want)
+
+
+def test_take_rows_views_consecutive_rows_and_gathers_the_rest():
+    from engine.model_runner import take_rows
+    t = torch.arange(40.0).view(10, 4)
+    for rows in ([3], [3, 4], [2, 3, 4, 5], [4, 3], [1, 0, 2], [0, 2], [5, 1, 2, 3], [0, 2, 1, 3]):
+        got = take_rows(t, rows)
+        assert torch.equal(got, t[torch.tensor(rows)]), rows
+        consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
+        assert (got.data_ptr() == t[rows[0]].data_ptr() and got.is_contiguous()) == consecutive, rows
+    assert take_rows(t[:, :2], [2, 3]).shape == (2, 2)  # a column slice's rows: a view too
+
+
 def test_ties_keep_the_parent_and_static_paths_merge():
     cands = Candidates([1, 2], [-1, 0], [-0.5, -0.5])  # child ties its parent (log p = 0)
     assert select_best(cands, 1) == [0]

@@ -50,10 +50,13 @@ class DraftTree:
     def ancestor_mask(self) -> torch.Tensor:
         """[N, N] bool: node i sees node j iff j is i or an ancestor of i."""
         n = len(self.tokens)
-        mask = torch.eye(n, dtype=torch.bool)
-        for i in range(1, n):  # parents come first, so their rows are complete
-            mask[i] |= mask[self.parents[i]]
-        return mask
+        rows = [[False] * n for _ in range(n)]
+        for i in range(n):  # parents come first, so their rows are complete
+            if i:
+                rows[i][:i] = rows[self.parents[i]][:i]
+            rows[i][i] = True
+        # (lists, one tensor at the end: a torch op per row cost 20 us at 7 nodes, this 7)
+        return torch.tensor(rows, dtype=torch.bool)
 
     def path(self, node: int) -> list[int]:
         """Node indices from the root to `node`, both included."""
