@@ -20,8 +20,17 @@ FAST_DTYPES = (torch.float32, torch.bfloat16)
 # With AMX tiles (Intel Xeons, engine/kernels/cpu_gemv.cpp) the packed layout keeps its pace
 # further: 24 / 32 rows in 13.9 / 13.3 ms against oneDNN's 18.4 / 19.2, one row 10.5 ms
 # (bench/bench_linear.py on a 2-core Xeon, bench/results/linear_xeon_amx.json).
+# On AMD CPUs with the AVX-512 build (VDPBF16PS at full rate, no AMX) the packed loop stays
+# ahead of oneDNN's bf16 GEMM to about 96 rows: over the same shapes on a 2-core Zen 4 EPYC
+# (bench/bench_linear.py --dtypes bfloat16, bench/results/linear_s40_zen4.json and
+# linear_s40_zen4_wide.json) 24 / 32 / 48 / 64 / 96 rows 14.4 / 16.6 / 22.5 / 30.1 / 44.6 ms
+# against 17.2 / 22.2 / 28.9 / 34.2 / 49.7, 128 rows 59.3 against 55.1. There the linears, and
+# so the fused stack, take up to 64 rows (the native attention's most queries): batched plain
+# decoding 1.71x / 1.75x at 24 / 32 sequences side by side (bench/bench_wide_rows.py,
+# bench/results/wide_rows_s40_zen4_none.json).
 PACKED_MAX_ROWS = 16
 AMX_PACKED_MAX_ROWS = 32
+WIDE_PACKED_MAX_ROWS = 64
 ROW_LAYOUT_MAX_ROWS = 4
 SKINNY_MAX_ROWS = PACKED_MAX_ROWS  # the most rows the native paths take on every CPU they run on
 # Up to how many rows a draft head's int8 weights (Linear.quantize_int8) take an input. The int8
@@ -35,11 +44,16 @@ INT8_MAX_ROWS = 4
 
 def packed_max_rows(in_features: int) -> int:
     """Up to how many rows packed bf16 weights of this many inputs go to the native kernel on
-    this CPU: 32 where its AMX path takes them (in_features % 32 == 0), else 16. Decided at
-    prepack: the module's set_amx is for benchmarks, before any model is built."""
+    this CPU: 32 where its AMX path takes them (in_features % 32 == 0), 64 with the AVX-512 build
+    on AMD CPUs (kernels.wide_packed), else 16. Decided at prepack: the module's set_amx is for
+    benchmarks, before any model is built."""
     mod = kernels.native()
     amx = mod is not None and getattr(mod, "amx", lambda: False)()
-    return AMX_PACKED_MAX_ROWS if amx and in_features % 32 == 0 else PACKED_MAX_ROWS
+    if amx and in_features % 32 == 0:
+        return AMX_PACKED_MAX_ROWS
+    if mod is not None and not amx and kernels.wide_packed():
+        return WIDE_PACKED_MAX_ROWS
+    return PACKED_MAX_ROWS
 
 
 _rows_as = 0  # within `rows_as`: linears pick their kernel as if their input had at least this many rows

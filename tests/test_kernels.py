@@ -63,6 +63,7 @@ def test_onednn_products_padded_to_a_bucket_give_each_rows_own_result(dtype):
     if lin._packed is None:
         pytest.skip("no oneDNN prepacked path for this dtype here")
     lin.bucket_rows = True
+    lin.native_max_rows = 0  # every row count through oneDNN (the native kernels take up to 64 rows on some CPUs)
     x = torch.randn(300, 576, generator=gen).to(dtype)
     whole = torch.ops.mkldnn._linear_pointwise(x, lin._packed, None, "none", [], "")
     for m in (17, 37, 100, 255, 257, 300):
@@ -542,16 +543,32 @@ def test_amx_switch_refused_without_amx():
 
 @pytest.mark.skipif(native is None, reason="no native kernels on this CPU or no compiler")
 def test_packed_rows_limit_follows_amx_and_the_input_width():
-    """32 rows natively only where AMX tiles take the weight (inputs a multiple of 32), else 16;
-    a decode stack takes what its linears all take."""
-    from engine.layers import AMX_PACKED_MAX_ROWS, PACKED_MAX_ROWS, packed_max_rows
-    assert packed_max_rows(576) == (AMX_PACKED_MAX_ROWS if amx else PACKED_MAX_ROWS)
-    assert packed_max_rows(48) == PACKED_MAX_ROWS
-    for k, want in ((64, AMX_PACKED_MAX_ROWS if amx else PACKED_MAX_ROWS), (48, PACKED_MAX_ROWS)):
+    """32 rows natively only where AMX tiles take the weight (inputs a multiple of 32), 64 on AMD
+    CPUs with the AVX-512 build (no AMX there), else 16; a decode stack takes what its linears
+    all take."""
+    from engine.layers import AMX_PACKED_MAX_ROWS, PACKED_MAX_ROWS, WIDE_PACKED_MAX_ROWS, packed_max_rows
+    other = WIDE_PACKED_MAX_ROWS if not amx and kernels.wide_packed() else PACKED_MAX_ROWS
+    assert packed_max_rows(576) == (AMX_PACKED_MAX_ROWS if amx else other)
+    assert packed_max_rows(48) == other
+    for k, want in ((64, AMX_PACKED_MAX_ROWS if amx else other), (48, other)):
         lin = Linear(k, 64)
         lin.weight.data = torch.randn(64, k).to(torch.bfloat16)
         lin.prepack()
         assert lin.native_max_rows == want
+
+
+@pytest.mark.parametrize("vendor, build, amx_on, want", [
+    ("AuthenticAMD", "avx512", False, 64), ("GenuineIntel", "avx512", False, 16), ("AuthenticAMD", "avx2", False, 16),
+    ("GenuineIntel", "avx512", True, 32)])
+def test_packed_rows_limit_by_vendor_build_and_amx(monkeypatch, vendor, build, amx_on, want):
+    """The wide limit is the AVX-512 build's on AMD CPUs only (measured there); AMX keeps 32."""
+    from types import SimpleNamespace
+
+    from engine.layers import packed_max_rows
+    monkeypatch.setattr(kernels, "native", lambda: SimpleNamespace(amx=lambda: amx_on))
+    monkeypatch.setattr(kernels, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(kernels, "isa", lambda: (build, set(), []))
+    assert packed_max_rows(576) == want
 
 
 @pytest.mark.skipif(native is None, reason="no native kernels on this CPU or no compiler")

@@ -51,6 +51,25 @@ def isa():
     return next((b for b in BUILDS if b[1] <= have and want in ("", b[0])), None)
 
 
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id ("AuthenticAMD", "GenuineIntel", ...), or "" where unreadable."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def wide_packed() -> bool:
+    """Whether packed bf16 products beat oneDNN's bf16 GEMM well past 16 rows here: the AVX-512
+    build on an AMD CPU (VDPBF16PS at full rate, no AMX; engine/layers.py WIDE_PACKED_MAX_ROWS)."""
+    build = isa()
+    return build is not None and build[0] == "avx512" and cpu_vendor() == "AuthenticAMD"
+
+
 @functools.cache
 def native():
     """The compiled module (skinny_linear, paged_attention, add_rms_norm) or None."""
