@@ -1028,6 +1028,8 @@ def test_startup_profiler_runs_on_a_tiny_model(tiny_llama, head_dir):
     assert all(s > 0 for _, s in prof["verify"] + prof["draft"])
     ys = [s for _, s in prof["verify"]]
     assert all(a <= b for a, b in zip(ys, ys[1:]))  # a forward of more tokens never costs less
+    # its draft points' catch-ups are not counted as the catch-ups of requests
+    assert llm.runner.catchup_seconds == 0 and llm.runner.catchup_pairs == 0
     # the profile left nothing behind: generation afterwards equals a fixed-tree engine's
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     fixed = LLM(tiny_llama[0], **KW, kv_cache_tokens=2048)
