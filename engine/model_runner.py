@@ -297,7 +297,7 @@ def take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
     (one sequence's rows, a prefill's), else a gather. (The gather, a tensor from the list and an
     index, cost more than the row copy at decode sizes; the LM head and the head take either.)"""
     first, n = rows[0], len(rows)
-    if rows[-1] - first == n - 1 and (n < 3 or rows == list(range(first, first + n))):
+    if rows[-1] - first == n - 1 and rows == list(range(first, first + n)):
         return t[first:first + n]
     return t[torch.tensor(rows, dtype=torch.long, device=t.device)]
 

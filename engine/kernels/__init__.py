@@ -29,15 +29,20 @@ BUILDS = (  # (name, CPU flags it needs, compiler flags)
 )
 
 
-def cpu_flags() -> set[str]:
+def _cpuinfo(key: str) -> str:
+    """The value of /proc/cpuinfo's first `key` line ("" where there is none or it is unreadable)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                if line.startswith(key):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return set()
+    return ""
+
+
+def cpu_flags() -> set[str]:
+    return set(_cpuinfo("flags").split())
 
 
 def isa():
@@ -52,15 +57,8 @@ def isa():
 
 
 def cpu_vendor() -> str:
-    """/proc/cpuinfo's vendor_id ("AuthenticAMD", "GenuineIntel", ...), or "" where unreadable."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    """/proc/cpuinfo's vendor_id ("AuthenticAMD", "GenuineIntel", ...), or ""."""
+    return _cpuinfo("vendor_id")
 
 
 def wide_packed() -> bool:
