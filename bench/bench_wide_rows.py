@@ -41,7 +41,7 @@ def main() -> None:
     kw = dict(spec=SpecConfig("none"), draft=None) if args.spec == "none" else dict(draft=HEAD)
     systems = {"wide": LLM(None, dtype="bfloat16", kv_cache_tokens=65536, **kw)}
     limit = layers.packed_max_rows
-    layers.packed_max_rows = lambda k: min(limit(k), layers.PACKED_MAX_ROWS)
+    layers.packed_max_rows = lambda k, wide=True: min(limit(k, wide), layers.PACKED_MAX_ROWS)
     try:
         systems["narrow"] = LLM(None, dtype="bfloat16", kv_cache_tokens=65536, **kw)
     finally:

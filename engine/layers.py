@@ -42,38 +42,42 @@ SKINNY_MAX_ROWS = PACKED_MAX_ROWS  # the most rows the native paths take on ever
 INT8_MAX_ROWS = 4
 
 
-def packed_max_rows(in_features: int) -> int:
+def packed_max_rows(in_features: int, wide: bool = True) -> int:
     """Up to how many rows packed bf16 weights of this many inputs go to the native kernel on
     this CPU: 32 where its AMX path takes them (in_features % 32 == 0), 64 with the AVX-512 build
-    on AMD CPUs (kernels.wide_packed), else 16. Decided at prepack: the module's set_amx is for
-    benchmarks, before any model is built."""
+    on AMD CPUs (kernels.wide_packed; wide=False: not, the limit prompt tokens keep), else 16.
+    Decided at prepack: the module's set_amx is for benchmarks, before any model is built."""
     mod = kernels.native()
     amx = mod is not None and getattr(mod, "amx", lambda: False)()
     if amx and in_features % 32 == 0:
         return AMX_PACKED_MAX_ROWS
-    if mod is not None and not amx and kernels.wide_packed():
+    if wide and mod is not None and not amx and kernels.wide_packed():
         return WIDE_PACKED_MAX_ROWS
     return PACKED_MAX_ROWS
 
 
 _rows_as = 0  # within `rows_as`: linears pick their kernel as if their input had at least this many rows
+_prompt = False  # within `rows_as(..., prompt=True)`: by their prompt limit (Linear.prompt_max_rows)
 
 
 class rows_as:
     """Within it, every Linear picks its kernel (native or oneDNN) as if its input had at least
     `rows` rows: a forward of prompt tokens, whose rounding must be the one its whole prompt
-    gets (ForwardBatch.prompt_lens)."""
+    gets (ForwardBatch.prompt_lens). prompt: the batch holds prompt tokens, which take the
+    limits every CPU gives them (Linear.prompt_max_rows): a cached prefix is shared by prompts of
+    every length, so its KV must not depend on which of them computed it."""
 
-    def __init__(self, rows: int):
-        self.rows = rows
+    def __init__(self, rows: int, prompt: bool = False):
+        self.rows, self.prompt = rows, prompt
 
     def __enter__(self):
-        global _rows_as
-        self.prev, _rows_as = _rows_as, max(self.rows, _rows_as)
+        global _rows_as, _prompt
+        self.prev = _rows_as, _prompt
+        _rows_as, _prompt = max(self.rows, _rows_as), self.prompt or _prompt
 
     def __exit__(self, *exc):
-        global _rows_as
-        _rows_as = self.prev
+        global _rows_as, _prompt
+        _rows_as, _prompt = self.prev
 
 
 class Linear(nn.Module):
@@ -90,6 +94,7 @@ class Linear(nn.Module):
         self._skinny = None
         self.native_weight: torch.Tensor | None = None  # what the native kernel reads (maybe packed)
         self.native_max_rows = 0  # inputs up to this many rows go to the native kernel
+        self.prompt_max_rows = 0  # the same for prompt tokens (within rows_as(..., prompt=True))
         self.native_all_rows = False  # every input does: no oneDNN path for packed bf16 here
         self.int8_weight: torch.Tensor | None = None  # quantize_int8's weights (draft heads)
         self.int8_max_rows = 0  # inputs up to this many rows go to them
@@ -102,12 +107,13 @@ class Linear(nn.Module):
             return False
         self._skinny = kernels.skinny_linear() if native else None
         self.native_weight = w.data
-        self.native_max_rows = ROW_LAYOUT_MAX_ROWS if self._skinny is not None else 0
+        self.native_max_rows = self.prompt_max_rows = ROW_LAYOUT_MAX_ROWS if self._skinny is not None else 0
         packed = (self._skinny is not None and w.dtype == torch.bfloat16 and w.shape[0] % 32 == 0
                   and w.shape[1] % 2 == 0 and w.shape[1] > 0)
         if packed:
             self.native_weight = kernels.native().pack_bf16(w.data)
             self.native_max_rows = packed_max_rows(w.shape[1])
+            self.prompt_max_rows = packed_max_rows(w.shape[1], wide=False)
         if _onednn_ok(w.dtype):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w.data, 1)
         # Without oneDNN's bf16 GEMM (AVX2-only CPUs) F.linear in bf16 took 3.0 / 4.6 / 6.0x oneDNN's
@@ -137,7 +143,8 @@ class Linear(nn.Module):
         prepacked), or None where forward() would take another path."""
         if self.int8_weight is not None and rows <= self.int8_max_rows:
             return self.int8_weight
-        if self._skinny is not None and (self.native_all_rows or max(rows, _rows_as) <= self.native_max_rows):
+        limit = self.prompt_max_rows if _prompt else self.native_max_rows
+        if self._skinny is not None and (self.native_all_rows or max(rows, _rows_as) <= limit):
             return self.native_weight
         return None
 

@@ -557,6 +557,24 @@ def test_packed_rows_limit_follows_amx_and_the_input_width():
         assert lin.native_max_rows == want
 
 
+@pytest.mark.skipif(native is None or not kernels.wide_packed() or amx, reason="a CPU with the wide packed limit only")
+def test_prompt_tokens_keep_the_16_row_limit_where_decode_batches_take_64():
+    """Within rows_as(..., prompt=True) a packed linear takes its prompt limit (16 rows), so a
+    prompt of 17-64 tokens, and the cached prefix it may share, rounds as on every CPU."""
+    from engine.layers import PACKED_MAX_ROWS, WIDE_PACKED_MAX_ROWS, rows_as
+    lin = Linear(576, 64)
+    lin.weight.data = torch.randn(64, 576).to(torch.bfloat16)
+    lin.prepack()
+    assert (lin.native_max_rows, lin.prompt_max_rows) == (WIDE_PACKED_MAX_ROWS, PACKED_MAX_ROWS)
+    assert lin.native_for(32) is lin.native_weight
+    with rows_as(32, prompt=True):
+        assert lin.native_for(32) is None
+    with rows_as(PACKED_MAX_ROWS, prompt=True):
+        assert lin.native_for(PACKED_MAX_ROWS) is lin.native_weight
+    with rows_as(32):  # a decode batch's rows_as: the wide limit
+        assert lin.native_for(32) is lin.native_weight
+
+
 @pytest.mark.parametrize("vendor, build, amx_on, want", [
     ("AuthenticAMD", "avx512", False, 64), ("GenuineIntel", "avx512", False, 16), ("AuthenticAMD", "avx2", False, 16),
     ("GenuineIntel", "avx512", True, 32)])

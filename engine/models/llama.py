@@ -88,6 +88,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         self._stack = None  # native decode stack, set by prepack() where available
         self._stack_max_rows = 0  # batches of up to this many tokens run through it
+        self._stack_prompt_rows = 0  # the same for batches holding prompt tokens (Linear.prompt_max_rows)
         self.aux_layers: tuple[int, ...] = ()  # see set_aux_layers
 
     def set_aux_layers(self, layers: tuple[int, ...]) -> None:
@@ -102,9 +103,11 @@ class LlamaForCausalLM(nn.Module):
         """Final-norm hidden states [T, hidden] of every new token (with aux layers set: [T,
         (1 + n) hidden], see set_aux_layers)."""
         rows = batch.rows_as  # (a prompt chunk: its whole prompt's, see ForwardBatch.prompt_lens)
-        if self._stack is not None and rows <= self._stack_max_rows and backend.name == "native":
+        prompt = any(batch.prompt_lens)
+        limit = self._stack_prompt_rows if prompt else self._stack_max_rows
+        if self._stack is not None and rows <= limit and backend.name == "native":
             return self._native_forward(batch, kv)
-        with rows_as(rows):
+        with rows_as(rows, prompt):
             hidden, aux = self.forward_aux(batch, kv, backend, self.aux_layers)
         return hidden if aux is None else torch.cat([hidden, aux], dim=-1)
 
@@ -135,6 +138,8 @@ class LlamaForCausalLM(nn.Module):
         packed = sum(m.prepack(native) for m in self.modules() if isinstance(m, Linear))
         self._stack, self._stack_max_rows = native_stack(self.model.layers, self.model.norm, self.config,
                                                          self.lm_head.weight.dtype, native)
+        linears = [m for m in self.model.layers.modules() if isinstance(m, Linear)]
+        self._stack_prompt_rows = 0 if self._stack is None else stack_rows(linears, prompt=True)
         self.set_aux_layers(self.aux_layers)  # a stack built after them returns them too
         return packed
 
@@ -145,6 +150,14 @@ class LlamaForCausalLM(nn.Module):
 
 
 STACK_ALL_ROWS = NativeCPUAttention.MAX_QUERIES  # a stack's rows where its linears take any number
+
+
+def stack_rows(linears: list[Linear], prompt: bool = False) -> int:
+    """The most rows a stack over these (prepacked) linears takes: what they all take natively
+    (their prompt limit for batches holding prompt tokens)."""
+    if all(m.native_all_rows for m in linears):
+        return STACK_ALL_ROWS
+    return min(m.prompt_max_rows if prompt else m.native_max_rows for m in linears)
 
 
 def native_stack(layers, final_norm, cfg: ModelConfig, dtype: torch.dtype, native: bool = True):
@@ -158,7 +171,7 @@ def native_stack(layers, final_norm, cfg: ModelConfig, dtype: torch.dtype, nativ
     linears = [m for layer in layers for m in layer.modules() if isinstance(m, Linear)]
     # linears that take every row count natively (no oneDNN bf16 here): the stack takes as many
     # rows as the native attention kernel does, past which the Python path's SDPA takes them
-    rows = STACK_ALL_ROWS if all(m.native_all_rows for m in linears) else min(m.native_max_rows for m in linears)
+    rows = stack_rows(linears)
     none = torch.empty(0)
     bias = lambda lin: lin.bias.data if lin.bias is not None else none  # noqa: E731
     norm = lambda n: n.weight.data if isinstance(n, RMSNorm) else none  # noqa: E731
