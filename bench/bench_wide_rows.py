@@ -4,7 +4,7 @@ AMD CPUs with the AVX-512 build, engine/layers.py WIDE_PACKED_MAX_ROWS) against 
 the 16-row limit, batched greedy generation of MT-bench first turns (bf16, 128 new tokens), the
 two alternating within every repetition.
 
-    .venv/bin/python bench/bench_wide_rows.py [--spec none|eagle2] [--batches 16,24,32] [--reps 2]
+    .venv/bin/python bench/bench_wide_rows.py [--spec none|eagle2] [--batches 16,24,32] [--reps 2] [--serial]
 Writes --out (bench/results/wide_rows.json): tok/s of each engine by batch, their ratio, and
 how many outputs the two engines give alike (bf16 rounds the native kernels and oneDNN apart,
 so past 16 rows greedy outputs may part at near-ties).
@@ -35,6 +35,8 @@ def main() -> None:
     ap.add_argument("--spec", default="none", choices=["none", "eagle2"], help="eagle2: the shipped head, tree budget")
     ap.add_argument("--batches", default="16,24,32")
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--serial", action="store_true",
+                    help="each batch's prompts one generate call at a time (a prefix cache filled by earlier prompts)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "wide_rows.json"))
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -60,7 +62,10 @@ def main() -> None:
             outs = {}
             for name in (["wide", "narrow"] if r % 2 == 0 else ["narrow", "wide"]):
                 t0 = time.perf_counter()
-                got = systems[name].generate(prompts[:b], params)
+                if args.serial:
+                    got = [systems[name].generate([p], params)[0] for p in prompts[:b]]
+                else:
+                    got = systems[name].generate(prompts[:b], params)
                 sec[name] += time.perf_counter() - t0
                 tok[name] += sum(len(o.token_ids) for o in got)
                 outs[name] = [o.token_ids for o in got]

@@ -27,7 +27,8 @@ FAST_DTYPES = (torch.float32, torch.bfloat16)
 # against 17.2 / 22.2 / 28.9 / 34.2 / 49.7, 128 rows 59.3 against 55.1. There the linears, and
 # so the fused stack, take up to 64 rows (the native attention's most queries): batched plain
 # decoding 1.71x / 1.75x at 24 / 32 sequences side by side (bench/bench_wide_rows.py,
-# bench/results/wide_rows_s40_zen4_none.json).
+# bench/results/wide_rows_s40_zen4_none.json). Batches holding prompt tokens keep 16
+# (Linear.prompt_max_rows): a cached prefix's KV must not depend on which prompt computed it.
 PACKED_MAX_ROWS = 16
 AMX_PACKED_MAX_ROWS = 32
 WIDE_PACKED_MAX_ROWS = 64
