@@ -40,7 +40,8 @@ def build(kind: str):
     allocator hands out the block freed last, its order before the lowest-id heap), +shuffle
     (the free blocks in a random order to start with, then the block freed last), +hold (plain
     rounds keep their scratch reservation instead of giving it back; +hold+lifo is "on-plain"
-    as it was before either change)."""
+    as it was before either change), +lazyfeat (the drafter's feature cache in fresh memory that
+    no page of has been touched, as torch.empty left it before session 42)."""
     from engine.spec.config import SpecConfig
     from engine.spec.drafters import NoDrafter
     kind, *mods = kind.split("+")
@@ -72,8 +73,12 @@ def build(kind: str):
             random.Random(0).shuffle(alloc._free)
         elif mod == "hold":
             llm.loop.scheduler.release_scratch = False
+        elif mod == "lazyfeat":  # the head's feature cache as it was before session 42: never touched
+            import torch
+            f = llm.runner.drafter.features
+            llm.runner.drafter.features = torch.empty(f.shape, dtype=f.dtype, device=f.device)
         else:
-            raise SystemExit(f"unknown modifier +{mod} (+lifo, +shuffle, +hold)")
+            raise SystemExit(f"unknown modifier +{mod} (+lifo, +shuffle, +hold, +lazyfeat)")
     return llm
 
 

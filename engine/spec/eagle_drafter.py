@@ -70,8 +70,11 @@ class EagleDrafter(Drafter):
         self.head, self.target, self.spec = head, target, spec
         self.block_size, self.device = block_size, device
         self.kv = KVCache(1, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device)
-        # the pending pairs' target features, by KV slot ([f ; aux] for a fused-feature head)
-        self.features = torch.empty(num_blocks * block_size, feature_width(cfg.hidden_size, head.aux_layers),
+        # the pending pairs' target features, by KV slot ([f ; aux] for a fused-feature head);
+        # zeroed now, as the KV caches are: left untouched, every slot's first write (a row of
+        # 4.6 KB with the shipped head) faulted its pages in during serving, a cost only an engine
+        # with a head paid (bench/bench_instances.py +lazyfeat)
+        self.features = torch.zeros(num_blocks * block_size, feature_width(cfg.hidden_size, head.aux_layers),
                                     dtype=dtype, device=device)
         self.backend = make_backend(cfg.head_dim ** -0.5, device, dtype, attention)
         self.rotary = target.model.rotary if shares_target_rotary(cfg, target.config) else _rotary(cfg)
