@@ -158,6 +158,9 @@ def decode_part(mods: dict, trees: list[str], prompts: list[list[int]], max_new:
         toks = {name: 0 for name in mods}
         secs = {name: 0.0 for name in mods}
         outputs = {name: [] for name in mods}
+        # tokens a verify step gives (accepted drafts + 1): the builds' drafts may differ where a
+        # kernel change reaches the head (int8 products), their outputs not
+        verified = {name: [0, 0] for name in mods}
         for i, group in enumerate(groups):
             order = list(mods) if i % 2 == 0 else list(mods)[::-1]
             for name in order:
@@ -168,18 +171,23 @@ def decode_part(mods: dict, trees: list[str], prompts: list[list[int]], max_new:
                 for o in outs:
                     toks[name] += len(o.token_ids)
                     outputs[name].append(list(o.token_ids))
+                    verified[name][0] += o.spec.verify_steps
+                    verified[name][1] += o.spec.accepted_tokens
         names = list(mods)
         rates = {name: toks[name] / secs[name] for name in mods}
+        acceptance = {name: (1 + a / v if v else None) for name, (v, a) in verified.items()}
         if len(names) == 2:
             same = sum(a == b for a, b in zip(outputs[names[0]], outputs[names[1]]))
             out[tree] = {"tok_s": rates, "ratio": rates[names[1]] / rates[names[0]], "tokens": toks,
-                         "same_outputs": f"{same}/{len(prompts)}"}
+                         "same_outputs": f"{same}/{len(prompts)}", "acceptance": acceptance}
             tail = f"  ratio {out[tree]['ratio']:.3f}  same outputs {same}/{len(prompts)}"
+            if all(acceptance.values()):
+                tail += "  acceptance " + " / ".join(f"{acceptance[n]:.3f}" for n in names)
         else:
             last = names[-1]
             same = {n: f"{sum(a == b for a, b in zip(outputs[n], outputs[last]))}/{len(prompts)}" for n in names}
             out[tree] = {"tok_s": rates, "ratio_to_" + last: {n: rates[n] / rates[last] for n in names},
-                         "tokens": toks, "same_outputs_as_" + last: same}
+                         "tokens": toks, "same_outputs_as_" + last: same, "acceptance": acceptance}
             tail = "  x " + last + ": " + " ".join(f"{rates[n] / rates[last]:.3f}" for n in names)
         print(f"decode {tree}: " + "  ".join(f"{n} {r:.1f} tok/s" for n, r in rates.items())
               + tail + f"  (batch {batch})", flush=True)

@@ -85,7 +85,8 @@ def probe_attention(mod) -> dict:
 def probe_head(mod) -> dict:
     """The draft head's seven products (the default model's shapes) at one row with bf16 packed
     weights, hot and right after a 400 MB stream; and, where the kernels have pack_int8, the
-    same with int8 weights (EngineConfig.draft_quantization) and bf16 alike at 1 / 2 / 4 / 6 / 16 rows."""
+    same with int8 weights (EngineConfig.draft_quantization: int8, and w8a8 where the kernels
+    take int8 inputs) and bf16 alike at 1 / 2 / 4 / 6 / 16 rows."""
     shapes = [(576, 1728), (576, 1152), (960, 576), (576, 576), (3072, 576), (576, 1536), (8192, 576)]
     raw = [(torch.randn(n, k) * 0.02).to(torch.bfloat16) for n, k in shapes]
     big = torch.ones(400 * 1024 * 1024 // 2, dtype=torch.bfloat16)
@@ -108,9 +109,11 @@ def probe_head(mod) -> dict:
     hot, cold = measure(bf16, 1)
     out = {"weights_mb": round(sum(n * k * 2 for n, k in shapes) / 1e6, 1), "hot_ms": hot, "after_400mb_ms": cold}
     if hasattr(mod, "pack_int8"):
-        int8 = [mod.pack_int8(w) for w in raw]
+        kinds = [("bf16", bf16), ("int8", [mod.pack_int8(w) for w in raw])]
+        if getattr(mod, "int8_inputs_available", lambda: False)():
+            kinds.append(("w8a8", [mod.pack_int8(w, True) for w in raw]))
         for rows in (1, 2, 4, 6, 16):
-            for name, ws in (("bf16", bf16), ("int8", int8)):
+            for name, ws in kinds:
                 h, c = measure(ws, rows)
                 out[f"rows{rows}_{name}"] = {"hot_ms": h, "after_400mb_ms": c}
     return out

@@ -87,7 +87,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--full-vocab", action="store_true",
                     help="also the first eagle2 shape with the head's reduced draft vocabulary switched off")
     ap.add_argument("--draft-quantization", default="auto",
-                    help="the head's weights in every eagle2 row (EngineConfig.draft_quantization: auto, int8, none)")
+                    help="the head's weights in every eagle2 row (EngineConfig.draft_quantization: auto, w8a8, int8, none)")
     ap.add_argument("--compare-quantization", default=None,
                     help="also every eagle2 shape with the head's weights so (e.g. none: its bf16 weights), "
                          "named '<row>-q<value>', in the same alternating run")

@@ -11,7 +11,7 @@ DEVICES = ("auto", "cpu", "cuda")
 # build (else torch); see engine.attention.make_backend
 ATTENTIONS = ("auto", "torch", "native", "flash")
 # a draft head's weights on the CPU: auto = int8 where the native kernels run (Linear.quantize_int8)
-DRAFT_QUANTIZATIONS = ("auto", "int8", "none")
+DRAFT_QUANTIZATIONS = ("auto", "w8a8", "int8", "none")
 ENV_TRUE, ENV_FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
@@ -44,7 +44,8 @@ class EngineConfig:
     skip_tokenizer: bool = False
     draft: str | None = None  # EAGLE head directory
     # the head's weights as int8 for its few-row products (CPU, native kernels; drafting only
-    # proposes, so the output does not change): one of DRAFT_QUANTIZATIONS
+    # proposes, so the output does not change): one of DRAFT_QUANTIZATIONS; w8a8: their inputs
+    # rounded to 8 bits too, as VNNI dot products (AVX-512 build)
     draft_quantization: str = "auto"
     # None: eagle2 where a draft head is given, else none (as the CLI); a method name is its defaults
     spec: SpecConfig | str | None = None

@@ -124,18 +124,20 @@ class Linear(nn.Module):
         self.native_all_rows = packed and self._packed is None
         return self._skinny is not None or self._packed is not None
 
-    def quantize_int8(self, max_rows: int) -> bool:
+    def quantize_int8(self, max_rows: int, int8_inputs: bool = False) -> bool:
         """Int8 weights with a float32 scale per output (the native kernel's pack_int8) for inputs
         of up to `max_rows` rows, after prepack(); more rows keep the prepacked paths. For draft
         heads only: their numbers are proposals the target verifies, so rounding the weights to
-        int8 cannot change the output, only how often drafts are accepted. Needs the native
-        kernels and out_features % 64 == 0; returns whether it applied."""
+        int8 cannot change the output, only how often drafts are accepted. int8_inputs: each
+        input row is rounded to 8 bits too and the products run as VNNI dot products (the
+        module's int8_inputs_available()). Needs the native kernels and out_features % 64 == 0;
+        returns whether it applied."""
         mod = kernels.native()
         if (self._skinny is None or mod is None or not hasattr(mod, "pack_int8")
                 or self.weight.shape[0] % 64 or self.weight.shape[1] == 0
                 or not bool(torch.isfinite(self.weight).all())):  # a NaN / inf has no int8 scale
             return False
-        self.int8_weight = mod.pack_int8(self.weight.data)
+        self.int8_weight = mod.pack_int8(self.weight.data, int8_inputs)
         self.int8_max_rows = max_rows
         return True
 

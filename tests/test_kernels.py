@@ -365,7 +365,7 @@ def test_packed_bf16_linear_matches_reference_and_is_row_independent(m, k, n):
 
 @pytest.mark.skipif(native is None, reason="no native kernels on this CPU or no compiler")
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
-@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("int8", [False, True, "w8a8"])
 def test_native_head_stack_matches_python_forward(tiny_llama, tmp_path, dtype, tol, int8):
     """The EAGLE head's layer as a one-layer native stack (no input norm, no final norm) gives
     the Python path's features and draft KV: pairs consumed by two sequences, then a frontier
@@ -381,9 +381,10 @@ def test_native_head_stack_matches_python_forward(tiny_llama, tmp_path, dtype, t
     target = load_model(tiny_llama[0], dtype, torch.device("cpu"), skip_tokenizer=True).model
     target.prepack()
     head = load_eagle_head(write_eagle_head(str(tmp_path / "head"), tiny_llama[0], std=0.2), target, dtype)
-    head.prepack(int8=int8)
+    needs_vnni(int8 == "w8a8")
+    head.prepack(int8=bool(int8), int8_inputs=int8 == "w8a8")
     assert head._stack is not None and head._stack_max_rows >= 4
-    assert all((m.int8_weight is not None) == int8 for m in head.modules() if isinstance(m, Linear))
+    assert all((m.int8_weight is not None) == bool(int8) for m in head.modules() if isinstance(m, Linear))
     cfg = head.config
     backend = make_backend(cfg.head_dim ** -0.5, torch.device("cpu"), dtype)
     rotary = _rotary(cfg)
@@ -409,8 +410,11 @@ def test_native_head_stack_matches_python_forward(tiny_llama, tmp_path, dtype, t
         return got + [kv.data.float()]
 
     outs = [run(True, frontier), run(False, frontier)]
-    for a, b in zip(*outs):  # bf16: RoPE tables are float32 natively, bf16 in Python; roundings spread
-        assert ((a - b).norm() / b.norm()).item() < tol, ((a - b).norm() / b.norm()).item()
+    # bf16: RoPE tables are float32 natively, bf16 in Python; roundings spread, and where int8
+    # products round their inputs to 8 bits too (VNNI) such a difference can move an input a step
+    close = tol * (2 if int8 == "w8a8" and dtype == torch.bfloat16 else 1)
+    for a, b in zip(*outs):
+        assert ((a - b).norm() / b.norm()).item() < close, ((a - b).norm() / b.norm()).item()
     # the stack applies the frontier's mask over the scratch key: unmasked, the rows come out otherwise
     unmasked = [SeqSpan(sp.token_ids, sp.num_cached, sp.block_table, positions=sp.positions, num_masked_cached=1,
                         tree_mask=torch.ones(2, 3, dtype=torch.bool)) for sp in frontier]
@@ -643,10 +647,10 @@ def test_bf16_linear_without_onednn_bf16_takes_every_row_natively(monkeypatch, o
 
 
 def test_native_build_follows_the_cpu_flags(monkeypatch):
-    """The AVX-512 build where the CPU has AVX-512 with bf16 dot products, else the AVX2 build
-    where it has AVX2 and FMA (AVX-512 without bf16 included), else none;
+    """The AVX-512 build where the CPU has AVX-512 with bf16 and VNNI dot products, else the AVX2
+    build where it has AVX2 and FMA (AVX-512 without bf16 included), else none;
     EAGLE_SERVE_NATIVE_ISA picks a build the CPU has, and a name that is none is refused."""
-    avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
+    avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"}
     monkeypatch.delenv("EAGLE_SERVE_NATIVE_ISA", raising=False)
     for flags, want in ((avx512 | {"avx2", "fma"}, "avx512"), ({"avx2", "fma", "avx512f", "avx512bw"}, "avx2"),
                         ({"avx2", "fma"}, "avx2"), ({"avx2"}, None), (set(), None)):
@@ -654,7 +658,7 @@ def test_native_build_follows_the_cpu_flags(monkeypatch):
         got = kernels.isa()
         assert (got and got[0]) == want
         if want == "avx512":
-            assert "-mavx512bf16" in got[2]
+            assert "-mavx512bf16" in got[2] and "-mavx512vnni" in got[2]
         if want == "avx2":
             assert "-mfma" in got[2] and not any("avx512" in f for f in got[2])
     monkeypatch.setattr(kernels, "cpu_flags", lambda: avx512 | {"avx2", "fma"})
@@ -668,27 +672,50 @@ def test_native_build_follows_the_cpu_flags(monkeypatch):
         kernels.isa()
 
 
+def int8_inputs(x: torch.Tensor, rounded: bool) -> torch.Tensor:
+    """The inputs an int8 product multiplies, in float64: x itself, or where the weights were
+    packed for int8 inputs (VNNI) each row rounded to the nearest step of its own max |x| / 127."""
+    if not rounded:
+        return x.double()
+    xf = x.float()
+    amax = xf.abs().amax(1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))  # float32, as the kernel
+    q = (xf * inv).clamp(-127, 127).round()
+    return q.double() * (amax / 127).double()
+
+
+def needs_vnni(rounded: bool):
+    if rounded and not native.int8_inputs_available():
+        pytest.skip("int8 inputs need the AVX-512 build (VNNI)")
+
+
 @pytest.mark.skipif(native is None, reason="no native kernels on this CPU or no compiler")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("k", [1, 33, 576])
-def test_int8_linear_matches_its_dequantized_weights(dtype, k):
+@pytest.mark.parametrize("rounded", [False, True])
+def test_int8_linear_matches_its_dequantized_weights(dtype, k, rounded):
     """pack_int8 rounds each weight to the nearest step of its row's scale (max |w| / 127; an
-    all-zero row stays zero) and the int8 product is the float32 product with those weights,
-    for any row count, bias and output dtype."""
+    all-zero row stays zero) and the int8 product is the float32 product with those weights (and,
+    packed for int8 inputs, with each input row rounded the same way: int8_inputs), for any row
+    count, bias and output dtype."""
+    needs_vnni(rounded)
     gen = torch.Generator().manual_seed(5)
     n = 128
     w = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
     w[3] = 0
-    wq = native.pack_int8(w)
-    assert wq.dtype == torch.int8 and tuple(wq.shape) == (n // 64, k + 4, 64)
+    wq = native.pack_int8(w, rounded)
+    shape = (n // 64, (k + 3) // 4 + 3, 256) if rounded else (n // 64, k + 4, 64)
+    assert wq.dtype == torch.int8 and tuple(wq.shape) == shape
     wd = native.unpack_int8(wq)
+    assert wd.shape == (n, k)
     step = w.float().abs().amax(1, keepdim=True) / 127
     assert ((wd - w.float()).abs() <= step / 2 * (1 + 1e-5) + 1e-12).all()
     assert torch.equal(wd[3], torch.zeros(k))
     for m in range(1, 10):
         x = torch.randn(m, k, generator=gen).to(dtype)
+        x[m // 2] = 0  # an all-zero input row: its scale is 0, its output the bias
         b = torch.randn(n, generator=gen).to(dtype)
-        ref = x.double() @ wd.double().T + b.double()
+        ref = int8_inputs(x, rounded) @ wd.double().T + b.double()
         got = native.skinny_linear(x, wq, b, True)
         assert got.dtype == torch.float32
         assert (got.double() - ref).abs().max().item() < 1e-5 * (1 + ref.abs().max().item())
@@ -702,8 +729,10 @@ def test_int8_linear_matches_its_dequantized_weights(dtype, k):
 
 
 @pytest.mark.skipif(native is None, reason="no native kernels on this CPU or no compiler")
-def test_linear_int8_weights_take_few_rows_and_leave_more_to_the_packed_path():
+@pytest.mark.parametrize("rounded", [False, True])
+def test_linear_int8_weights_take_few_rows_and_leave_more_to_the_packed_path(rounded):
     from engine.layers import INT8_MAX_ROWS
+    needs_vnni(rounded)
     gen = torch.Generator().manual_seed(6)
     w = (torch.randn(128, 576, generator=gen) * 0.05).to(torch.bfloat16)
     b = torch.randn(128, generator=gen).to(torch.bfloat16)
@@ -711,13 +740,13 @@ def test_linear_int8_weights_take_few_rows_and_leave_more_to_the_packed_path():
     for m in (lin, ref):
         m.weight.data, m.bias.data = w.clone(), b.clone()
         m.prepack()
-    assert lin.quantize_int8(INT8_MAX_ROWS)
+    assert lin.quantize_int8(INT8_MAX_ROWS, rounded)
     wd = native.unpack_int8(lin.int8_weight)
     for rows in range(1, INT8_MAX_ROWS + 3):
         x = torch.randn(rows, 576, generator=gen).to(torch.bfloat16)
         got = lin(x, float_out=True)
         if rows <= INT8_MAX_ROWS:
-            want = x.double() @ wd.double().T + b.double()
+            want = int8_inputs(x, rounded) @ wd.double().T + b.double()
             assert (got.double() - want).abs().max().item() < 1e-4
             assert not torch.equal(got, ref(x, float_out=True))  # the int8 weights, not the bf16 ones
         else:

@@ -502,6 +502,7 @@ def test_int8_draft_head_keeps_speculation_lossless(tiny_llama, head_dir, dtype)
     llm = LLM(tiny_llama[0], draft=head_dir, spec=spec, **kw)  # draft_quantization auto
     head = llm.runner.drafter.head
     assert llm.runner.draft_int8
+    assert llm.runner.draft_int8_inputs == kernels.native().int8_inputs_available()  # auto: w8a8 where VNNI
     assert all(m.int8_weight is not None for m in head.modules() if isinstance(m, Linear))
     assert run(llm, greedy) == ref_g
     assert llm.generate(ps[0], greedy[0])[0].spec.verify_steps > 0
@@ -511,6 +512,17 @@ def test_int8_draft_head_keeps_speculation_lossless(tiny_llama, head_dir, dtype)
     assert not off.runner.draft_int8
     assert all(m.int8_weight is None for m in off.runner.drafter.head.modules() if isinstance(m, Linear))
     assert run(off, greedy) == ref_g
+    # int8 weights with float inputs (the other of int8 / w8a8 where VNNI makes auto w8a8):
+    # other drafts, the same output
+    other = LLM(tiny_llama[0], draft=head_dir, spec=spec, draft_quantization="int8", **kw)
+    assert other.runner.draft_int8 and not other.runner.draft_int8_inputs
+    assert all(m.int8_weight is not None and m.int8_weight.shape[-1] == 64
+               for m in other.runner.drafter.head.modules() if isinstance(m, Linear))
+    if kernels.native().int8_inputs_available():
+        assert all(m.int8_weight.shape[-1] == 256 for m in head.modules() if isinstance(m, Linear))
+    assert run(other, greedy) == ref_g
+    assert run(other, sampled) == ref_s
+    assert other.allocator.num_free_blocks == other.allocator.num_blocks
 
 
 def test_draft_quantization_is_checked(tiny_llama, head_dir):
@@ -522,7 +534,25 @@ def test_draft_quantization_is_checked(tiny_llama, head_dir):
     # float64 has no native kernels: int8 is refused, not ignored; auto then keeps the head as it is
     with pytest.raises(ValueError, match="int8 needs the native CPU kernels"):
         LLM(tiny_llama[0], draft=head_dir, spec=SpecConfig("eagle2"), draft_quantization="int8", **KW)
+    with pytest.raises(ValueError, match="w8a8 needs the native CPU kernels"):
+        LLM(tiny_llama[0], draft=head_dir, spec=SpecConfig("eagle2"), draft_quantization="w8a8", **KW)
     assert not LLM(tiny_llama[0], draft=head_dir, spec=SpecConfig("eagle2"), **KW).runner.draft_int8
+
+
+@pytest.mark.skipif(kernels.native() is None, reason="no native kernels on this CPU or no compiler")
+def test_w8a8_is_refused_where_the_kernels_have_no_vnni(tiny_llama, head_dir, monkeypatch):
+    """A build without VNNI (AVX2) has no int8-input products: w8a8 is refused, not ignored."""
+    class NoVnni:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def int8_inputs_available(self):
+            return False
+    real = kernels.native()
+    monkeypatch.setattr(kernels, "native", lambda: NoVnni())
+    with pytest.raises(ValueError, match="w8a8 needs the AVX-512 build"):
+        LLM(tiny_llama[0], draft=head_dir, spec=SpecConfig("eagle2"), draft_quantization="w8a8",
+            **dict(KW, dtype="float32"))
 
 
 # ---- the native draft tree (session 37) ------------------------------------------------------

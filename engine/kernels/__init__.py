@@ -23,8 +23,9 @@ log = logging.getLogger(__name__)
 # The module is built for one of two instruction sets, the first this CPU has (the sources are
 # written once over simd.h's vector type). -fopenmp: at::parallel_for is OpenMP inline code.
 BUILDS = (  # (name, CPU flags it needs, compiler flags)
-    ("avx512", {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"},
-     ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]),
+    # (every CPU with AVX-512 bf16 has VNNI too: Cooper Lake, Sapphire Rapids and later, Zen 4 and later)
+    ("avx512", {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"},
+     ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni"]),
     ("avx2", {"avx2", "fma"}, ["-O3", "-fopenmp", "-mavx2", "-mfma"]),
 )
 

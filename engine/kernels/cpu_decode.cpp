@@ -29,6 +29,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
                               double scale);
 torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor weight, double eps);
 torch::Tensor rms_norm_chunks(torch::Tensor x, int64_t n, double eps);
+int64_t int8_in_features(const torch::Tensor& wq);
 extern const int64_t STREAM_NTA_BYTES;
 extern thread_local bool stream_nta;
 std::vector<torch::Tensor> build_batch(const std::vector<std::vector<int64_t>>& tokens,
@@ -95,10 +96,10 @@ void silu_mul(const T* gu, T* out, int64_t rows, int64_t inter) {
 }
 
 // A linear's inputs from the weight the native kernels read: [N, K], pack_bf16's [N/32, K/2, 64]
-// or pack_int8's [N/64, K + 4, 64]
+// or pack_int8's (either layout)
 int64_t in_features(const torch::Tensor& w) {
   if (w.dim() != 3) return w.size(1);
-  return w.scalar_type() == at::kChar ? w.size(1) - 4 : w.size(1) * 2;
+  return w.scalar_type() == at::kChar ? int8_in_features(w) : w.size(1) * 2;
 }
 
 c10::optional<torch::Tensor> opt(const torch::Tensor& t) {

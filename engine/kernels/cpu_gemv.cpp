@@ -12,6 +12,10 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #include <algorithm>
+#include <cmath>
+#include <type_traits>
+#include <utility>
+#include <vector>
 #include <cstring>
 
 namespace {
@@ -412,10 +416,16 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& wp, con
 // bytes): w[n, k] ~ q[n, k] * scale[n], symmetric, scale = max |w[n, :]| / 127 per output. A draft
 // head reads its ~20 MB of weights once a draft level, from memory right after the target's
 // stream; int8 halves those bytes. The products are float32: each weight widened exactly, times
-// the float32 input, summed in k order, the scale applied once at the end (no input quantisation).
-// Drafting is a proposal only: the target verifies every token, so the head's rounding never
-// reaches the output.
+// the float32 input, summed in k order, the scale applied once at the end (no input quantisation);
+// or, with int8_inputs (pack_int8's VNNI layout, vnni_linear), each input row rounded to 8 bits
+// as well and the products summed in int32. Drafting is a proposal only: the target verifies
+// every token, so the head's rounding never reaches the output.
 constexpr int INT8_TILE = 64;
+#if EAGLE_DPBF16 && defined(__AVX512VNNI__)
+#define EAGLE_VNNI 1
+#else
+#define EAGLE_VNNI 0
+#endif
 // Software prefetch this many inputs (64-byte lines of a tile's stream) ahead: 8 KB, as the bf16
 // loop's PREFETCH_PAIRS (a draft level's weights come from memory after the target's stream).
 // Against 1 KB, side by side (bench/bench_kernels_ab.py --rev 24de6a4 --skip-linear --trees
@@ -464,17 +474,41 @@ __attribute__((always_inline)) inline void int8_tile(const float* x, int64_t K, 
     for (int i = 0; i < 4; ++i) store16(out + j * INT8_TILE + 16 * i, acc[j][i]);
 }
 
-template <int MB = 1>
-inline void int8_rows(int mb, const float* x, int64_t K, const int8_t* wt, float* out) {
+// tile(std::integral_constant<int, mb>{}) for a row count mb of 1..INT8_TILE_M known at compile time
+template <int MB = 1, typename Tile>
+inline void with_rows(int mb, Tile&& tile) {
   if constexpr (MB < INT8_TILE_M) {
-    if (mb > MB) return int8_rows<MB + 1>(mb, x, K, wt, out);
+    if (mb > MB) return with_rows<MB + 1>(mb, tile);
   }
-  int8_tile<MB>(x, K, wt, out);
+  tile(std::integral_constant<int, MB>{});
 }
 
 }  // namespace
 
-torch::Tensor pack_int8(torch::Tensor w) {
+// An int8 product's epilogue: its bias (x's dtype) and its output (float32 or x's dtype).
+struct Int8Out {
+  float* yf;
+  at::BFloat16* yh;
+  const at::BFloat16* bh;
+  const float* bfl;
+  Int8Out(const torch::Tensor& y, const torch::Tensor& x, const c10::optional<torch::Tensor>& bias, bool float_out) {
+    const bool bf16 = x.scalar_type() == at::kBFloat16;
+    yf = float_out || !bf16 ? y.data_ptr<float>() : nullptr;
+    yh = yf ? nullptr : y.data_ptr<at::BFloat16>();
+    bh = bias && bf16 ? bias->data_ptr<at::BFloat16>() : nullptr;
+    bfl = bias && !bf16 ? bias->data_ptr<float>() : nullptr;
+  }
+  eagle_simd::vf bias16(int64_t at) const {
+    return bh ? eagle_simd::load16(bh + at) : bfl ? eagle_simd::load16(bfl + at) : eagle_simd::vzero();
+  }
+  void store(int64_t at, eagle_simd::vf v) const {
+    if (yf) eagle_simd::store16(yf + at, v);
+    else eagle_simd::store16(yh + at, v);
+  }
+};
+
+// The int8 weights' [N, K] float32 quantisation: q [N, K] int8 and scale [N] (q * scale ~ w).
+static std::pair<torch::Tensor, torch::Tensor> quantize_int8_rows(const torch::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kFloat),
               "w: bf16 or float32 [N, K]");
   const int64_t N = w.size(0), K = w.size(1);
@@ -483,28 +517,175 @@ torch::Tensor pack_int8(torch::Tensor w) {
   TORCH_CHECK(wf.isfinite().all().item<bool>(), "int8 packing needs finite weights (a NaN / inf has no scale)");
   auto scale = wf.abs().amax({1}).div(127.0);
   scale = torch::where(scale > 0, scale, torch::ones_like(scale));  // an all-zero row: zeros, scale 1
-  const auto q = wf.div(scale.unsqueeze(1)).round().clamp(-127, 127).to(at::kChar);
-  const auto body = q.view({N / INT8_TILE, INT8_TILE, K}).permute({0, 2, 1});  // [N/64, K, 64]
-  const auto scales = scale.view({N / INT8_TILE, INT8_TILE}).contiguous().view(at::kChar).view({N / INT8_TILE, 4, INT8_TILE});
-  return torch::cat({body, scales}, 1).contiguous();
+  return {wf.div(scale.unsqueeze(1)).round().clamp(-127, 127).to(at::kChar), scale};
+}
+
+// Two layouts. The float-input layout, [N/64, K + 4, 64] int8: for every tile of 64 outputs, K
+// rows of their 64 weights (one 64-byte line per input k), then their 64 float32 scales (256
+// bytes). The VNNI layout (int8 inputs too), [N/64, Kp/4 + 3, 256] int8 with Kp = K rounded up
+// to a multiple of 4 (zero weights past K): for every tile of 64 outputs and every group of 4
+// inputs, each output's 4 weights side by side (one 32-bit lane of VPDPBUSD: 64 outputs, 4 zmm
+// registers), then three 256-byte rows: the 64 float32 scales, the 64 int32 sums of each
+// output's weights (for the +128 offset of the unsigned inputs), and K (an int32 at the row's start).
+torch::Tensor pack_int8(torch::Tensor w, bool int8_inputs) {
+  TORCH_CHECK(!int8_inputs || EAGLE_VNNI, "int8 inputs need the AVX512-VNNI build of the kernels");
+  auto [q, scale] = quantize_int8_rows(w);
+  const int64_t N = q.size(0), K = q.size(1), T = N / INT8_TILE;
+  if (!int8_inputs) {
+    const auto body = q.view({T, INT8_TILE, K}).permute({0, 2, 1});  // [N/64, K, 64]
+    const auto scales = scale.view({T, INT8_TILE}).contiguous().view(at::kChar).view({T, 4, INT8_TILE});
+    return torch::cat({body, scales}, 1).contiguous();
+  }
+  const int64_t Kp = (K + 3) / 4 * 4;
+  if (Kp != K) q = torch::cat({q, torch::zeros({N, Kp - K}, q.options())}, 1);
+  // [T, 64, Kp/4, 4] -> [T, Kp/4, 64, 4]
+  const auto body = q.view({T, INT8_TILE, Kp / 4, 4}).permute({0, 2, 1, 3}).reshape({T, Kp / 4, 4 * INT8_TILE});
+  const auto scales = scale.view({T, 1, INT8_TILE}).contiguous().view(at::kChar);
+  const auto sums = q.to(at::kInt).sum(1).to(at::kInt).view({T, 1, INT8_TILE}).contiguous().view(at::kChar);
+  auto k_row = torch::zeros({T, 1, 4 * INT8_TILE}, q.options());
+  const int32_t k32 = static_cast<int32_t>(K);
+  for (int64_t t = 0; t < T; ++t) std::memcpy(k_row.data_ptr<int8_t>() + t * 4 * INT8_TILE, &k32, 4);
+  return torch::cat({body, scales, sums, k_row}, 1).contiguous();
+}
+
+static bool is_vnni_layout(const torch::Tensor& wq) {
+  return wq.dim() == 3 && wq.scalar_type() == at::kChar && wq.size(2) == 4 * INT8_TILE && wq.size(1) > 3;
+}
+
+// The inputs K of a pack_int8 tensor (either layout).
+int64_t int8_in_features(const torch::Tensor& wq) {
+  if (!is_vnni_layout(wq)) return wq.size(1) - 4;
+  int32_t k;
+  std::memcpy(&k, wq.data_ptr<int8_t>() + (wq.size(1) - 1) * 4 * INT8_TILE, 4);
+  return k;
 }
 
 // The float32 [N, K] weights a pack_int8 tensor stands for (q * scale): tests and checks.
 torch::Tensor unpack_int8(torch::Tensor wq) {
-  TORCH_CHECK(wq.dim() == 3 && wq.scalar_type() == at::kChar && wq.size(2) == INT8_TILE && wq.size(1) > 4,
-              "wq: pack_int8 output");
-  const int64_t T = wq.size(0), K = wq.size(1) - 4;
+  TORCH_CHECK(wq.dim() == 3 && wq.scalar_type() == at::kChar && wq.is_contiguous(), "wq: pack_int8 output");
+  const int64_t T = wq.size(0);
+  if (is_vnni_layout(wq)) {
+    const int64_t G = wq.size(1) - 3, K = int8_in_features(wq);
+    const auto q = wq.narrow(1, 0, G).reshape({T, G, INT8_TILE, 4}).permute({0, 2, 1, 3}).reshape({T, INT8_TILE, 4 * G});
+    const auto scale = wq.narrow(1, G, 1).contiguous().view(at::kFloat).view({T, INT8_TILE, 1});
+    return q.to(at::kFloat).mul(scale).reshape({T * INT8_TILE, 4 * G}).narrow(1, 0, K).contiguous();
+  }
+  TORCH_CHECK(wq.size(2) == INT8_TILE && wq.size(1) > 4, "wq: pack_int8 output");
+  const int64_t K = wq.size(1) - 4;
   const auto q = wq.narrow(1, 0, K).to(at::kFloat);  // [T, K, 64]
   const auto scale = wq.narrow(1, K, 4).contiguous().view(at::kFloat).view({T, 1, INT8_TILE});
   return q.mul(scale).permute({0, 2, 1}).reshape({T * INT8_TILE, K});
 }
 
+#if EAGLE_VNNI
+namespace {
+// acc[j][i] += sum over the tile's groups of 4 inputs of u8 x (row j) times s8 w (outputs 16i..16i+15)
+template <int MB>
+__attribute__((always_inline)) inline void vnni_tile(const uint8_t* xq, int64_t Kp, const int8_t* wt, __m512i* out) {
+  __m512i acc[MB][4];
+#pragma GCC unroll 8
+  for (int j = 0; j < MB; ++j)
+    for (int i = 0; i < 4; ++i) acc[j][i] = _mm512_setzero_si512();
+  for (int64_t g = 0; g < Kp / 4; ++g) {
+    const int8_t* w = wt + g * 4 * INT8_TILE;
+    for (int c = 0; c < 4; ++c)  // 8 KB ahead, as the other loops
+      _mm_prefetch(reinterpret_cast<const char*>(w + INT8_PREFETCH_ROWS * INT8_TILE + 64 * c), _MM_HINT_T0);
+    const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 64), w2 = _mm512_loadu_si512(w + 128),
+                  w3 = _mm512_loadu_si512(w + 192);
+#pragma GCC unroll 8
+    for (int j = 0; j < MB; ++j) {
+      int32_t four;
+      std::memcpy(&four, xq + j * Kp + 4 * g, 4);
+      const __m512i xb = _mm512_set1_epi32(four);
+      acc[j][0] = _mm512_dpbusd_epi32(acc[j][0], xb, w0);
+      acc[j][1] = _mm512_dpbusd_epi32(acc[j][1], xb, w1);
+      acc[j][2] = _mm512_dpbusd_epi32(acc[j][2], xb, w2);
+      acc[j][3] = _mm512_dpbusd_epi32(acc[j][3], xb, w3);
+    }
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < MB; ++j)
+    for (int i = 0; i < 4; ++i) out[j * 4 + i] = acc[j][i];
+}
+}  // namespace
+
+// int8 x int8 products (AVX512-VNNI): each input row is quantised to 8 bits too, symmetric with
+// its own scale (max |x| / 127, +128 for VPDPBUSD's unsigned operand, the weights' sums taking
+// the offset back out), so a group of 4 inputs and 16 outputs is one instruction instead of four
+// FMAs and the widening of the weights. A draft proposes only (the target verifies every token),
+// so this rounding reaches how many drafts are accepted, never the output.
+static torch::Tensor vnni_linear(const torch::Tensor& x, const torch::Tensor& wq, const c10::optional<torch::Tensor>& bias,
+                                 bool float_out, const torch::Tensor* into) {
+  const int64_t M = x.size(0), K = int8_in_features(wq), G = wq.size(1) - 3, Kp = 4 * G, N = wq.size(0) * INT8_TILE;
+  TORCH_CHECK(x.size(1) == K, "x [M, K] does not match the int8 weight's K");
+  if (bias) TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == x.scalar_type(), "bias");
+  torch::Tensor y = output(x, M, N, float_out, into);
+  if (M == 0) return y;
+  // the inputs as unsigned bytes (q + 128, q = nearest of x / sx in [-127, 127]; 128 past K)
+  const torch::Tensor x32 = x.to(at::kFloat).contiguous();
+  std::vector<uint8_t> xq(M * Kp, 128);
+  std::vector<float> sx(M);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* r = x32.data_ptr<float>() + m * K;
+    float amax = 0.f;
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(r[k]));
+    sx[m] = amax > 0.f ? amax / 127.f : 0.f;
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    uint8_t* o = xq.data() + m * Kp;
+    for (int64_t k = 0; k < K; ++k) {
+      const float v = r[k] * inv;  // (a NaN input counts as 0: the draft is a proposal either way)
+      o[k] = static_cast<uint8_t>(static_cast<int>(std::nearbyint(v == v ? std::min(std::max(v, -127.f), 127.f) : 0.f)) + 128);
+    }
+  }
+  const int8_t* wp = wq.data_ptr<int8_t>();
+  const Int8Out io(y, x, bias, float_out);
+  at::parallel_for(0, N / INT8_TILE, 1, [&](int64_t t0, int64_t t1) {
+    using namespace eagle_simd;
+    alignas(64) __m512i acc[INT8_TILE_M * 4];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int8_t* wt = wp + t * (G + 3) * 4 * INT8_TILE;
+      const float* scale = reinterpret_cast<const float*>(wt + G * 4 * INT8_TILE);
+      const int32_t* sums = reinterpret_cast<const int32_t*>(wt + (G + 1) * 4 * INT8_TILE);
+      vf sc[4], b[4];
+      __m512i off[4];
+      for (int i = 0; i < 4; ++i) {
+        sc[i] = load16(scale + 16 * i);
+        off[i] = _mm512_slli_epi32(_mm512_loadu_si512(sums + 16 * i), 7);  // 128 x the weights' sum
+        b[i] = io.bias16(t * INT8_TILE + 16 * i);
+      }
+      for (int64_t m = 0; m < M; m += INT8_TILE_M) {
+        const int mb = static_cast<int>(std::min<int64_t>(INT8_TILE_M, M - m));
+        with_rows(mb, [&](auto rows) { vnni_tile<decltype(rows)::value>(xq.data() + m * Kp, Kp, wt, acc); });
+        for (int j = 0; j < mb; ++j) {
+          const vf s = vset1(sx[m + j]);
+          for (int i = 0; i < 4; ++i) {
+            const vf dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[j * 4 + i], off[i]));
+            const vf v = vfmadd(dot, vmul(sc[i], s), b[i]);
+            const int64_t at = (m + j) * N + t * INT8_TILE + 16 * i;
+            io.store(at, v);
+          }
+        }
+      }
+    }
+  });
+  return y;
+}
+#endif
+
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& wq, const c10::optional<torch::Tensor>& bias,
                           bool float_out, const torch::Tensor* into = nullptr) {
-  TORCH_CHECK(wq.dim() == 3 && wq.scalar_type() == at::kChar && wq.size(2) == INT8_TILE && wq.size(1) > 4 &&
-              wq.is_contiguous(), "wq: pack_int8 output");
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "x: bf16 or float32 [M, K]");
+  if (is_vnni_layout(wq)) {
+#if EAGLE_VNNI
+    TORCH_CHECK(wq.is_contiguous(), "wq: pack_int8 output");
+    return vnni_linear(x, wq, bias, float_out, into);
+#else
+    TORCH_CHECK(false, "int8 inputs need the AVX512-VNNI build of the kernels");
+#endif
+  }
+  TORCH_CHECK(wq.dim() == 3 && wq.scalar_type() == at::kChar && wq.size(2) == INT8_TILE && wq.size(1) > 4 &&
+              wq.is_contiguous(), "wq: pack_int8 output");
   const int64_t M = x.size(0), K = wq.size(1) - 4, N = wq.size(0) * INT8_TILE;
   TORCH_CHECK(x.size(1) == K, "x [M, K] does not match the int8 weight's K");
   if (bias) TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == x.scalar_type(), "bias");
@@ -513,11 +694,7 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& wq, const
   const torch::Tensor x32 = x.to(at::kFloat).contiguous();  // broadcast from memory, one input at a time
   const float* xp = x32.data_ptr<float>();
   const int8_t* wp = wq.data_ptr<int8_t>();
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
-  float* yf = float_out || !bf16 ? y.data_ptr<float>() : nullptr;
-  at::BFloat16* yh = yf ? nullptr : y.data_ptr<at::BFloat16>();
-  const at::BFloat16* bh = bias && bf16 ? bias->data_ptr<at::BFloat16>() : nullptr;
-  const float* bfl = bias && !bf16 ? bias->data_ptr<float>() : nullptr;
+  const Int8Out io(y, x, bias, float_out);
   at::parallel_for(0, N / INT8_TILE, 1, [&](int64_t t0, int64_t t1) {
     using namespace eagle_simd;
     alignas(64) float out[INT8_TILE_M * INT8_TILE];
@@ -527,17 +704,16 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& wq, const
       vf sc[4], b[4];
       for (int i = 0; i < 4; ++i) {
         sc[i] = load16(scale + 16 * i);
-        b[i] = bh ? load16(bh + t * INT8_TILE + 16 * i) : bfl ? load16(bfl + t * INT8_TILE + 16 * i) : vzero();
+        b[i] = io.bias16(t * INT8_TILE + 16 * i);
       }
       for (int64_t m = 0; m < M; m += INT8_TILE_M) {
         const int mb = static_cast<int>(std::min<int64_t>(INT8_TILE_M, M - m));
-        int8_rows(mb, xp + m * K, K, wt, out);
+        with_rows(mb, [&](auto rows) { int8_tile<decltype(rows)::value>(xp + m * K, K, wt, out); });
         for (int j = 0; j < mb; ++j)
           for (int i = 0; i < 4; ++i) {
             const vf v = vfmadd(load16(out + j * INT8_TILE + 16 * i), sc[i], b[i]);
             const int64_t at = (m + j) * N + t * INT8_TILE + 16 * i;
-            if (yf) store16(yf + at, v);
-            else store16(yh + at, v);
+            io.store(at, v);
           }
       }
     }
@@ -599,8 +775,12 @@ void register_decode_stack(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_bf16", &pack_bf16, "bf16 weight [N, K] -> the packed layout skinny_linear also takes");
-  m.def("pack_int8", &pack_int8, "weight [N, K] -> int8 weights and per-output scales, a layout skinny_linear takes");
+  m.def("pack_int8", &pack_int8, "weight [N, K] -> int8 weights and per-output scales, a layout skinny_linear takes "
+        "(int8_inputs: products round each input row to 8 bits too, AVX512-VNNI)",
+        py::arg("w"), py::arg("int8_inputs") = false);
   m.def("unpack_int8", &unpack_int8, "pack_int8 output -> the float32 [N, K] weights it stands for");
+  m.def("int8_inputs_available", []() { return static_cast<bool>(EAGLE_VNNI); },
+        "whether pack_int8 takes int8_inputs (the AVX512-VNNI build)");
   m.def("skinny_linear", &skinny_linear, "y = x @ w.T (+ bias) for few rows of x (w [N, K] or pack_bf16(w))",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias"), pybind11::arg("float_out") = false);
   m.def("paged_attention", &paged_attention, "attention of few queries over block-table slots");

@@ -146,11 +146,12 @@ class EagleHead(nn.Module):
             self.fc.bias if self.fc.bias is not None else _NONE, self.d2t if self.d2t is not None else _NONE,
             width, top_k, block_size, kv.data, rotary.cos_table, rotary.sin_table)
 
-    def prepack(self, native: bool = True, int8: bool = False) -> int:
+    def prepack(self, native: bool = True, int8: bool = False, int8_inputs: bool = False) -> int:
         """Prepack every linear; with the native kernels, the layer becomes a one-layer DecodeStack
         (no input norm, no final norm) for batches of up to as many rows as its linears take.
         int8: the linears also keep int8 weights (Linear.quantize_int8) for inputs of up to
-        INT8_MAX_ROWS rows, the stack's among them; returns the linears prepacked."""
+        INT8_MAX_ROWS rows, the stack's among them, int8_inputs: rounding those inputs to 8 bits
+        too (VNNI); returns the linears prepacked."""
         packed = sum(m.prepack(native) for m in self.modules() if isinstance(m, Linear))
         for m in self.modules():  # one product a forward each: a new row count's kernels cost more than padding
             if isinstance(m, Linear):
@@ -158,7 +159,7 @@ class EagleHead(nn.Module):
         if native and int8:
             for m in self.modules():
                 if isinstance(m, Linear):
-                    m.quantize_int8(INT8_MAX_ROWS)
+                    m.quantize_int8(INT8_MAX_ROWS, int8_inputs)
         self._stack, self._stack_max_rows = native_stack([self.layer], None, self.config, self.fc.weight.dtype, native)
         return packed
 
