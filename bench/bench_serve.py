@@ -223,9 +223,21 @@ async def stream_completion(client, model: str, ids, max_new: int):
     return events, n
 
 
+def engine_counters(transport) -> dict:
+    """An in-process engine's cumulative head catch-up seconds and rounds that drafted (empty for
+    a server in another process): run_load reports what one run added."""
+    llm = getattr(transport, "llm", None)
+    if llm is None:
+        return {}
+    budget = getattr(llm, "budget", None)
+    return {"catchup_s": llm.runner.catchup_seconds, "rounds": budget.rounds if budget else 0,
+            "spec_rounds": budget.spec_rounds if budget else 0}
+
+
 async def run_load(transport, prompts, conc: int, n_req: int, max_new: int, offset: int) -> dict:
     queue = list(range(n_req))
     ttft, itl, tokens = [], [], 0
+    before = engine_counters(transport)
 
     async def worker():
         nonlocal tokens
@@ -244,8 +256,10 @@ async def run_load(transport, prompts, conc: int, n_req: int, max_new: int, offs
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(conc)))
     wall = time.perf_counter() - t0
+    after = engine_counters(transport)
     return {"tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "requests": n_req,
-            "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99), "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99)}
+            "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99), "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99),
+            **{k: after[k] - before[k] for k in after}}
 
 
 async def sweep(args, engines: dict, prompts) -> list[dict]:
@@ -277,8 +291,10 @@ async def sweep(args, engines: dict, prompts) -> list[dict]:
                         r.update(transport=transport_name, engine=name, concurrency=conc, rep=rep, instance=inst,
                                  reconnects_so_far=getattr(t, "reconnects", 0))
                         rows.append(r)
+                        extra = (f", catch-up {r['catchup_s']:.2f}s, drafted in {r['spec_rounds']} of {r['rounds']} rounds"
+                                 if r.get("rounds") else "")
                         print(f"{transport_name} c={conc} rep={rep} {name}: {r['tok_s']:.1f} tok/s, "
-                              f"ttft p50 {r['ttft_p50']:.3f}s, itl p50 {r['itl_p50'] or 0:.4f}s", flush=True)
+                              f"ttft p50 {r['ttft_p50']:.3f}s, itl p50 {r['itl_p50'] or 0:.4f}s{extra}", flush=True)
             for name, ts in transports.items():
                 for i, t in enumerate(ts):
                     if isinstance(t, HttpProc):

@@ -41,6 +41,13 @@ SKINNY_MAX_ROWS = PACKED_MAX_ROWS  # the most rows the native paths take on ever
 # 0.44 / 0.47 / 0.53 ms int8 against 0.61 / 0.60 / 0.62 bf16 at 1 / 2 / 4 rows, 0.76 against 0.68
 # at 6, 1.50 against 0.77 at 16.
 INT8_MAX_ROWS = 4
+# The same for int8 weights packed for int8 inputs (VNNI dot products, draft_quantization w8a8):
+# four inputs and sixteen outputs an instruction keep them ahead of bf16 at every row count
+# measured, the head's seven products hot 0.28 / 0.61 ms at 6 / 16 rows against 0.33 / 0.83 in
+# bf16, right after a 400 MB stream 0.47 / 0.78 against 0.57 / 1.06 (bench/bench_probes.py --probes
+# head on a Zen 4, bench/results/probes_s42_zen4_head.json): a draft level of several sequences
+# and a short catch-up take them too
+W8A8_MAX_ROWS = 16
 
 
 def packed_max_rows(in_features: int, wide: bool = True) -> int:

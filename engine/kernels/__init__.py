@@ -3,8 +3,8 @@
 `native()` returns the compiled module or None (neither AVX-512 with bf16 nor AVX2 with FMA, no
 compiler, or EAGLE_SERVE_NATIVE_KERNELS=0); callers then fall back to oneDNN / F.linear. The build is cached
 under the torch extensions folder, so only the first start pays for it (~40 s on the CPUs measured,
-~100 s on a 2-core Zen 3). The build is AVX-512 (with bf16 dot products, and AMX tiles where the CPU
-has them) or AVX2 + FMA, the first of BUILDS the CPU runs; EAGLE_SERVE_NATIVE_ISA=avx2 picks the AVX2
+~100 s on a 2-core Zen 3). The build is AVX-512 (with bf16 and VNNI dot products, and AMX tiles where
+the CPU has them) or AVX2 + FMA, the first of BUILDS the CPU runs; EAGLE_SERVE_NATIVE_ISA=avx2 picks the AVX2
 build on an AVX-512 CPU too (a name the CPU cannot run leaves the kernels off, an unknown one is refused).
 
 EAGLE_SERVE_NTA_STREAMS=1 / 0 (or true/false, yes/no, on/off) turns the non-temporal streaming of

@@ -95,6 +95,23 @@ void silu_mul(const T* gu, T* out, int64_t rows, int64_t inter) {
   }
 }
 
+// dst[t * stride + i] = a[t, i] + b[t, i] for rows t < T of width n, rounded to T once (as ATen's
+// `a + b` rounds: the sum in float32, then to the dtype)
+template <typename T>
+void add_rows_into(const T* a, const T* b, T* dst, int64_t stride, int64_t rows, int64_t n) {
+  constexpr bool vec = std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>;
+  using acc = std::conditional_t<std::is_same_v<T, double>, double, float>;
+  using namespace eagle_simd;
+  for (int64_t t = 0; t < rows; ++t) {
+    const T *ar = a + t * n, *br = b + t * n;
+    T* o = dst + t * stride;
+    int64_t i = 0;
+    if constexpr (vec)
+      for (; i + VL <= n; i += VL) store16(o + i, vadd(load16(ar + i), load16(br + i)));
+    for (; i < n; ++i) o[i] = static_cast<T>(static_cast<acc>(ar[i]) + static_cast<acc>(br[i]));
+  }
+}
+
 // A linear's inputs from the weight the native kernels read: [N, K], pack_bf16's [N/32, K/2, 64]
 // or pack_int8's (either layout)
 int64_t in_features(const torch::Tensor& w) {
@@ -173,7 +190,11 @@ struct DecodeStack {
     torch::Tensor act = torch::empty({T, inter}, opts);
     const int64_t esize = h.element_size(), fw = q_size + 2 * kv_size;
     char* kvp = static_cast<char*>(kv.data_ptr());
-    std::vector<torch::Tensor> aux(aux_layers.size());
+    // with aux layers the output is [T, (1 + n) hidden], [final feature ; each aux layer's
+    // output], written in place: after the target's weight stream every ATen op (an add per aux
+    // layer, a cat) ran cold, tens of us each in a round that no head drafts in
+    const int64_t H = h.size(1), W = (1 + static_cast<int64_t>(aux_layers.size())) * H;
+    torch::Tensor wide = aux_layers.empty() ? torch::Tensor() : torch::empty({T, W}, opts);
     for (size_t l = 0; l < qkv.size(); ++l) {
       // delta is 0 for layer 0; an empty norm weight means no input norm (the EAGLE head's layer)
       const torch::Tensor* x = &xn;
@@ -204,13 +225,23 @@ struct DecodeStack {
       });
       skinny_linear_into(act, pick(down, down8, l), c10::nullopt, false, &delta);
       for (size_t j = 0; j < aux_layers.size(); ++j)
-        if (aux_layers[j] == static_cast<int64_t>(l)) aux[j] = delta + residual;  // the layer's output
+        if (aux_layers[j] == static_cast<int64_t>(l)) {  // the layer's output, delta + residual
+          AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, h.scalar_type(), "aux", [&] {
+            add_rows_into<scalar_t>(delta.data_ptr<scalar_t>(), residual.data_ptr<scalar_t>(),
+                                    wide.data_ptr<scalar_t>() + (1 + j) * H, W, T, H);
+          });
+        }
     }
     // an empty final norm weight: the stack's raw output h + residual (the EAGLE head's feature)
-    torch::Tensor out = final_norm.numel() ? add_rms_norm(residual, delta, final_norm, eps) : residual.add_(delta);
-    if (aux_layers.empty()) return out;
-    aux.insert(aux.begin(), out);
-    return torch::cat(aux, 1);
+    if (aux_layers.empty())
+      return final_norm.numel() ? add_rms_norm(residual, delta, final_norm, eps) : residual.add_(delta);
+    torch::Tensor out = xn;
+    if (final_norm.numel()) add_rms_norm_into(residual, delta, final_norm, eps, xn);
+    else out = residual.add_(delta);
+    const char* op = static_cast<const char*>(out.data_ptr());
+    char* wp = static_cast<char*>(wide.data_ptr());
+    for (int64_t t = 0; t < T; ++t) std::memcpy(wp + t * W * esize, op + t * H * esize, H * esize);
+    return wide;
   }
 
   // One EAGLE draft level in one call, for a stack built from a draft head's layer: the head's

@@ -30,7 +30,7 @@ from engine import kernels
 from engine.attention import AttentionBackend
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVCache
-from engine.layers import FAST_DTYPES, INT8_MAX_ROWS, Linear
+from engine.layers import FAST_DTYPES, INT8_MAX_ROWS, W8A8_MAX_ROWS, Linear
 from engine.loader import ModelLoadError, fill_parameters, read_json
 from engine.model_config import ModelConfig
 from engine.models.llama import DecoderLayer, LlamaForCausalLM, native_stack, native_stack_forward
@@ -151,7 +151,7 @@ class EagleHead(nn.Module):
         (no input norm, no final norm) for batches of up to as many rows as its linears take.
         int8: the linears also keep int8 weights (Linear.quantize_int8) for inputs of up to
         INT8_MAX_ROWS rows, the stack's among them, int8_inputs: rounding those inputs to 8 bits
-        too (VNNI); returns the linears prepacked."""
+        too (VNNI), for up to W8A8_MAX_ROWS rows; returns the linears prepacked."""
         packed = sum(m.prepack(native) for m in self.modules() if isinstance(m, Linear))
         for m in self.modules():  # one product a forward each: a new row count's kernels cost more than padding
             if isinstance(m, Linear):
@@ -159,7 +159,7 @@ class EagleHead(nn.Module):
         if native and int8:
             for m in self.modules():
                 if isinstance(m, Linear):
-                    m.quantize_int8(INT8_MAX_ROWS, int8_inputs)
+                    m.quantize_int8(W8A8_MAX_ROWS if int8_inputs else INT8_MAX_ROWS, int8_inputs)
         self._stack, self._stack_max_rows = native_stack([self.layer], None, self.config, self.fc.weight.dtype, native)
         return packed
 
