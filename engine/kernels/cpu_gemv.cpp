@@ -621,22 +621,27 @@ static torch::Tensor vnni_linear(const torch::Tensor& x, const torch::Tensor& wq
   if (bias) TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == x.scalar_type(), "bias");
   torch::Tensor y = output(x, M, N, float_out, into);
   if (M == 0) return y;
-  // the inputs as unsigned bytes (q + 128, q = nearest of x / sx in [-127, 127]; 128 past K)
-  const torch::Tensor x32 = x.to(at::kFloat).contiguous();
+  // the inputs as unsigned bytes (q + 128, q = nearest of x / sx in [-127, 127]; 128 past K),
+  // read in x's own dtype (a float32 copy was one more ATen op a product, run cold in a draft)
+  const torch::Tensor xc = x.contiguous();
   std::vector<uint8_t> xq(M * Kp, 128);
   std::vector<float> sx(M);
-  for (int64_t m = 0; m < M; ++m) {
-    const float* r = x32.data_ptr<float>() + m * K;
-    float amax = 0.f;
-    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(r[k]));
-    sx[m] = amax > 0.f ? amax / 127.f : 0.f;
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    uint8_t* o = xq.data() + m * Kp;
-    for (int64_t k = 0; k < K; ++k) {
-      const float v = r[k] * inv;  // (a NaN input counts as 0: the draft is a proposal either way)
-      o[k] = static_cast<uint8_t>(static_cast<int>(std::nearbyint(v == v ? std::min(std::max(v, -127.f), 127.f) : 0.f)) + 128);
+  auto quantize = [&](auto* xp) {
+    for (int64_t m = 0; m < M; ++m) {
+      const auto* r = xp + m * K;
+      float amax = 0.f;
+      for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(static_cast<float>(r[k])));
+      sx[m] = amax > 0.f ? amax / 127.f : 0.f;
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      uint8_t* o = xq.data() + m * Kp;
+      for (int64_t k = 0; k < K; ++k) {
+        const float v = static_cast<float>(r[k]) * inv;  // (a NaN input counts as 0: the draft is a proposal either way)
+        o[k] = static_cast<uint8_t>(static_cast<int>(std::nearbyint(v == v ? std::min(std::max(v, -127.f), 127.f) : 0.f)) + 128);
+      }
     }
-  }
+  };
+  if (xc.scalar_type() == at::kBFloat16) quantize(xc.data_ptr<at::BFloat16>());
+  else quantize(xc.data_ptr<float>());
   const int8_t* wp = wq.data_ptr<int8_t>();
   const Int8Out io(y, x, bias, float_out);
   at::parallel_for(0, N / INT8_TILE, 1, [&](int64_t t0, int64_t t1) {
