@@ -10,7 +10,8 @@ DEVICES = ("auto", "cpu", "cuda")
 # auto: flash on CUDA when flash-attn imports (else torch), native on the CPU where its kernels
 # build (else torch); see engine.attention.make_backend
 ATTENTIONS = ("auto", "torch", "native", "flash")
-# a draft head's weights on the CPU: auto = int8 where the native kernels run (Linear.quantize_int8)
+# a draft head's weights on the CPU: auto = int8 where the native kernels run (Linear.quantize_int8),
+# with int8 inputs too (w8a8) where they have VNNI dot products (the AVX-512 build)
 DRAFT_QUANTIZATIONS = ("auto", "w8a8", "int8", "none")
 ENV_TRUE, ENV_FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 

@@ -36,9 +36,10 @@ def _add_engine_args(p: argparse.ArgumentParser, batch: bool = True) -> None:
     p.add_argument("--top-k", type=int, default=None, help="children expanded per tree node (eagle2)")
     p.add_argument("--static-tree", default=None, help="JSON file: list of child-rank paths (eagle1)")
     p.add_argument("--draft-quantization", default="auto", choices=DRAFT_QUANTIZATIONS,
-                   help="the EAGLE head's weights for its few-row products: int8 (auto: on the CPU where the "
-                        "native kernels run; drafts are only proposals, so the output does not change), w8a8 "
-                        "(int8 weights and inputs, VNNI dot products: AVX-512 CPUs) or none")
+                   help="the EAGLE head's weights for its few-row products: int8, w8a8 (int8 weights and inputs, "
+                        "VNNI dot products: the AVX-512 build) or none; auto: w8a8 where the native kernels "
+                        "have VNNI, else int8 where they run (drafts are only proposals, so the output does "
+                        "not change)")
     p.add_argument("--fixed-tree", action="store_true",
                    help="verify the configured tree every round (default: the load-aware tree budget sizes it)")
     p.add_argument("--no-prefix-caching", action="store_true")
