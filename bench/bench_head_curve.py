@@ -105,29 +105,36 @@ def main(argv=None):
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
+    png = plot(points, args.tree, len(prompts), args.max_new, args.out)
+    print("wrote", args.out, *([png] if png else []))
+
+
+def plot(points: list[dict], tree: str, n_prompts: int, max_new: int, out: str) -> str | None:
+    """The curve as a png next to `out` (its path), or None without matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(6, 4))
-        ax.plot([p["train_tokens"] / 1e6 for p in points], [p["acceptance_length"] for p in points], color="0.6")
-        for stage in sorted({p["stage"] for p in points}):
-            ps = [p for p in points if p["stage"] == stage]
-            ax.plot([p["train_tokens"] / 1e6 for p in ps], [p["acceptance_length"] for p in ps], "o",
-                    label=f"stage {stage}")
-        if len({p["stage"] for p in points}) > 1:
-            ax.legend(fontsize=8)
-        ax.set_xlabel("training tokens seen (millions; epochs included)")
-        ax.set_ylabel(f"acceptance length (tree {args.tree})")
-        ax.set_title(f"SmolLM2-135M head, {len(prompts)} MT-bench prompts, greedy, {args.max_new} tokens")
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        png = os.path.splitext(args.out)[0] + ".png"
-        fig.savefig(png, dpi=110)
-        print("wrote", args.out, png)
     except ImportError:
-        print("wrote", args.out)
-
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([p["train_tokens"] / 1e6 for p in points], [p["acceptance_length"] for p in points], color="0.6")
+    stages = sorted({p["stage"] for p in points})
+    for stage in stages:
+        ps = [p for p in points if p["stage"] == stage]
+        ax.plot([p["train_tokens"] / 1e6 for p in ps], [p["acceptance_length"] for p in ps], "o",
+                label=f"stage {stage}")
+    if len(stages) > 1:  # below the rising curve, in two columns past ten stages
+        ax.legend(fontsize=7, loc="lower right", ncol=2 if len(stages) > 10 else 1)
+    ax.set_xlabel("training tokens seen (millions; epochs included)")
+    ax.set_ylabel(f"acceptance length (tree {tree})")
+    ax.set_title(f"SmolLM2-135M head, {n_prompts} MT-bench prompts, greedy, {max_new} tokens")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    png = os.path.splitext(out)[0] + ".png"
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png
 
 if __name__ == "__main__":
     main()
