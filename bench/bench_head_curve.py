@@ -136,5 +136,6 @@ def plot(points: list[dict], tree: str, n_prompts: int, max_new: int, out: str) 
     plt.close(fig)
     return png
 
+
 if __name__ == "__main__":
     main()
