@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from engine import hugepages
+
 
 class KVCache:
     """Per layer, keys and values of every slot: [num_slots, num_kv_heads, head_dim]."""
@@ -13,7 +15,10 @@ class KVCache:
         self.block_size = block_size
         shape = (num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim)
         try:
-            self.data = torch.zeros(shape, dtype=dtype, device=device)
+            # on the CPU in huge pages where the kernel has them (engine.hugepages): a decode
+            # step reads every sequence's keys and values of every layer
+            self.data = hugepages.zeros(shape, dtype) if torch.device(device).type == "cpu" \
+                else torch.zeros(shape, dtype=dtype, device=device)
         except (RuntimeError, MemoryError) as e:  # e.g. --kv-cache-tokens far past the memory
             raise ValueError(f"cannot allocate the KV cache ({_gib(shape, dtype):.1f} GiB for {num_blocks * block_size} "
                              f"slots): ask for fewer (serve / generate: --kv-cache-tokens) ({str(e).splitlines()[0][:120]})") from None

@@ -174,6 +174,27 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+def weights_to_arena(linears: list["Linear"]) -> int:
+    """Move the prepacked native weights (and int8 weights) of `linears` into one huge-page arena
+    (engine.hugepages): a decode step streams them all, and in 4 KiB pages it paid a TLB walk
+    every page (`bench/bench_hugepages.py`). Call after prepack / quantize_int8 and before a
+    native stack takes the tensors. Weights that are the module's own `weight` (the row layout)
+    stay where they are. Returns the bytes moved."""
+    from engine import hugepages
+    if not hugepages.enabled():
+        return 0
+    slots = []
+    for m in linears:
+        if m.native_weight is not None and m.native_weight.data_ptr() != m.weight.data_ptr():
+            slots.append((m, "native_weight"))
+        if m.int8_weight is not None:
+            slots.append((m, "int8_weight"))
+    moved = hugepages.arena([getattr(m, a) for m, a in slots])
+    for (m, a), t in zip(slots, moved):
+        setattr(m, a, t)
+    return sum(t.numel() * t.element_size() for t in moved)
+
+
 def onednn_rows(rows: int) -> int:
     """The row count a oneDNN product of `rows` rows runs at where its Linear has bucket_rows
     (a draft head's: EagleHead.prepack): rounded up to a multiple of 16 (of 64 past 256 rows,

@@ -193,6 +193,9 @@ def cmd_serve(args) -> int:
                         shutdown_timeout=args.shutdown_timeout)
     print(f"eagle-serve: {state.model_name} (spec {llm.engine_config.spec.method}"
           f"{', head ' + draft if draft else ''}) on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    if llm.runner.device.type == "cpu":
+        from engine import hugepages
+        print(f"eagle-serve: {hugepages.summary()}", file=sys.stderr, flush=True)
     # SIGTERM/SIGINT: uvicorn stops listening, waits for open requests (streams get the same grace),
     # then cancels what is left; the lifespan's shutdown stops the engine loop and we exit 0.
     # uvicorn re-raises the signal it caught once it has shut down (so the default handler

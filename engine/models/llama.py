@@ -15,7 +15,7 @@ from engine.attention import AttentionBackend, NativeCPUAttention
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVCache
 from engine import kernels
-from engine.layers import FAST_DTYPES, Linear, RMSNorm, RotaryEmbedding, apply_rope, rows_as
+from engine.layers import FAST_DTYPES, Linear, RMSNorm, RotaryEmbedding, apply_rope, rows_as, weights_to_arena
 from engine.model_config import ModelConfig
 
 
@@ -136,6 +136,7 @@ class LlamaForCausalLM(nn.Module):
     def prepack(self, native: bool = True) -> int:
         """Set up the fast CPU paths: every linear's, and the native decode stack."""
         packed = sum(m.prepack(native) for m in self.modules() if isinstance(m, Linear))
+        weights_to_arena([m for m in self.modules() if isinstance(m, Linear)])
         self._stack, self._stack_max_rows = native_stack(self.model.layers, self.model.norm, self.config,
                                                          self.lm_head.weight.dtype, native)
         linears = [m for m in self.model.layers.modules() if isinstance(m, Linear)]

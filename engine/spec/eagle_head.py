@@ -30,7 +30,7 @@ from engine import kernels
 from engine.attention import AttentionBackend
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVCache
-from engine.layers import FAST_DTYPES, INT8_MAX_ROWS, W8A8_MAX_ROWS, Linear
+from engine.layers import FAST_DTYPES, INT8_MAX_ROWS, W8A8_MAX_ROWS, Linear, weights_to_arena
 from engine.loader import ModelLoadError, fill_parameters, read_json
 from engine.model_config import ModelConfig
 from engine.models.llama import DecoderLayer, LlamaForCausalLM, native_stack, native_stack_forward
@@ -160,6 +160,7 @@ class EagleHead(nn.Module):
             for m in self.modules():
                 if isinstance(m, Linear):
                     m.quantize_int8(W8A8_MAX_ROWS if int8_inputs else INT8_MAX_ROWS, int8_inputs)
+        weights_to_arena([m for m in self.modules() if isinstance(m, Linear)])
         self._stack, self._stack_max_rows = native_stack([self.layer], None, self.config, self.fc.weight.dtype, native)
         return packed
 
