@@ -370,7 +370,8 @@ def build_engine(kind: str, draft: str | None = None, dtype: str = "bfloat16", k
     shipped one, EAGLE-2 with the tree budget), "off" (--spec none), "on-plain" ("on" whose
     budget never speculates: the head loaded and kept in step, nothing drafted), "on-z<Z>" ("on"
     whose measured guard overrides the model at Z standard errors instead of its default; on-z0:
-    the guard's plain comparison of its running rates)."""
+    the guard's plain comparison of its running rates), "on-nopromote" ("on" whose guard only
+    ever turns speculation off: TreeBudget.guard_promotes disabled, the budget before session 44)."""
     common = dict(dtype=dtype, kv_cache_tokens=kv_cache_tokens, enable_prefix_caching=prefix_caching)
     if kind == "off":
         return LLM(None, spec=SpecConfig("none"), **common)
@@ -382,12 +383,14 @@ def build_engine(kind: str, draft: str | None = None, dtype: str = "bfloat16", k
             pass
         if not (z is not None and z >= 0):
             raise SystemExit(f"bad engine {kind!r}: on-z<Z> takes a number Z >= 0")
-    elif kind not in ("on", "on-plain"):
-        raise SystemExit(f"unknown engine {kind!r} (on, off, on-plain, on-z<Z>)")
+    elif kind not in ("on", "on-plain", "on-nopromote"):
+        raise SystemExit(f"unknown engine {kind!r} (on, off, on-plain, on-nopromote, on-z<Z>)")
     llm = LLM(None, draft=draft or default_draft_path(), spec=SpecConfig("eagle2"), **common)
     if kind == "on-plain":
         llm.budget.min_gain = llm.budget.min_gain_one = float("inf")  # models no tree as a gain: always plain
         llm.budget.model_probe_every = 0  # and no probes of what it priced out
+    if kind == "on-nopromote":  # the measured guard never turns plain rounds to speculation (before session 44)
+        llm.budget.guard_promote = False
     if z is not None:
         llm.budget.guard_z = z
     return llm
@@ -405,13 +408,17 @@ def engine_result(args, draft, pools, engines) -> dict:
             "budget_rounds": {"observed": engines["on"].budget.costs.observed_rounds,
                               "chosen": engines["on"].budget.rounds, "speculating": engines["on"].budget.spec_rounds,
                               "explored_plain": engines["on"].budget.explored,
-                              "guarded_plain": engines["on"].budget.guarded},
+                              "guarded_plain": engines["on"].budget.guarded,
+                              "model_probes": engines["on"].budget.model_probes,
+                              "promoted": engines["on"].budget.promoted},
             "head_catchup_seconds": {name: e.runner.catchup_seconds for name, e in engines.items()},
             # the measured guard: per batch size, pure decode rounds' tokens/s (running average, rounds)
             "guard_measured": {str(n): m for n, m in sorted(engines["on"].budget.measured.items())},
             # every budget engine's counters (on, and on-plain / on-z<Z> where run)
             "budget_rounds_by_engine": {name: {"chosen": e.budget.rounds, "speculating": e.budget.spec_rounds,
-                                               "guarded_plain": e.budget.guarded, "guard_z": e.budget.guard_z}
+                                               "guarded_plain": e.budget.guarded, "guard_z": e.budget.guard_z,
+                                               "model_probes": e.budget.model_probes, "promoted": e.budget.promoted,
+                                               "guard_promote": e.budget.guard_promote}
                                         for name, e in engines.items() if e.budget is not None}}
 
 

@@ -280,7 +280,8 @@ class TreeBudget:
                  research_every: int = 8, min_gain: float = 0.05, min_gain_one: float = 0.0,
                  guard_min: int = 8, guard_probe: int = 64,
                  guard_ema: float = 0.1, guard_z: float = 1.0, spec_with_prefill: bool = False, model_probe_every: int = 16,
-                 model_probe_margin: float = 0.1, model_probe_max_seqs: int = 4, model_probe_far: int = 4):
+                 model_probe_margin: float = 0.1, model_probe_max_seqs: int = 4, model_probe_far: int = 4,
+                 guard_promote: bool = True):
         """max_tree_tokens: the configured tree (the most a round may verify); prior: node
         confidences (best first) assumed before any round is seen; explore_every: when
         speculating, run every this many rounds plain, and as many at the full depth (0: never);
@@ -357,6 +358,8 @@ class TreeBudget:
         self.model_probe_far = model_probe_far
         self.model_probe_max_seqs = model_probe_max_seqs
         self.model_probes = 0  # rounds that drafted where the model chose plain (model_probe_every)
+        self.guard_promote = guard_promote
+        self.promoted = 0  # rounds the guard turned to speculation where the model chose plain (`guard_promotes`)
         # batch size -> {"plain" | "spec": [tokens per second (running average), rounds,
         # running variance of one round's rate, the round of its last sample]}
         self.measured: dict[int, dict[str, list[float]]] = {}
@@ -479,6 +482,25 @@ class TreeBudget:
         se2 = self._se2(plain, stale) + self._se2(spec, stale)
         return plain[0] - spec[0] > self.guard_z * se2 ** 0.5
 
+    def guard_promotes(self, n: int) -> bool:
+        """The guard's other direction: this batch size's own measurement has speculating rounds
+        give more tokens per second than plain ones by more than guard_z standard errors of the
+        difference (stale averages widen it, as for `guard_verdict`), so speculation runs where
+        the model prices it out (`choose`: its best tree, as a model probe would run). The cost
+        model learns a verify's cost at a token count from the rounds that verified that many,
+        and at 4 sequences it had learnt trees of 8-12 tokens as 1.4-1.8x a 4-token round;
+        the budget then drafted in 15-30% of the rounds at 4 clients (its model probes) while
+        those rounds measured 456.6 tok/s against 418.1 plain, and the run read 0.97x the engine
+        without speculation (bench/results/serve_s44_zen4_huge.json). Off with guard_promote=False."""
+        if not (self.guard_promote and self.guard_min):
+            return False
+        m = self.measured.get(n, {})
+        plain, spec = m.get("plain"), m.get("spec")
+        if not (plain and spec and plain[1] >= self.guard_min and spec[1] >= self.guard_min):
+            return False
+        se2 = self._se2(plain) + self._se2(spec)
+        return spec[0] - plain[0] > self.guard_z * se2 ** 0.5
+
     def _se2(self, entry: list, stale: bool = True) -> float:
         """Squared standard error of a measured guard entry's running average: its variance
         times the sum of its samples' squared weights (which the entry's sample count gives:
@@ -583,7 +605,13 @@ class TreeBudget:
                     and self.measured.get(n, {}).get("plain", (0.0, 0))[1] < self.guard_min:
                 sizes, deep, kind = [1] * n, [0] * n, "plain"  # plain's rate at this size, early
                 self.explored += 1
-        if model_kind == "plain" and not any(confidences) and self._model_probe_due(n, at_n, prefill_tokens):
+        if model_kind == "plain" and not prefill_tokens and not any(confidences) and self.guard_promotes(n):
+            alt_sizes, alt_deep, _, _ = self._choose_shared(caps, prefill_tokens, probe=True)
+            if any(x > 1 for x in alt_sizes):  # measured: speculation wins here, whatever the model says
+                sizes, deep, kind = alt_sizes, alt_deep, "spec"
+                self.promoted += 1
+        if kind == "plain" and model_kind == "plain" and not any(confidences) \
+                and self._model_probe_due(n, at_n, prefill_tokens):
             # the model prices speculation out here: try its best tree now and then, if it is close
             alt_sizes, alt_deep, alt_rate, alt_plain = self._choose_shared(caps, prefill_tokens, probe=True)
             close = alt_rate >= alt_plain * (1 - self.model_probe_margin)
@@ -638,6 +666,9 @@ class TreeBudget:
         m = sum(1 for c in caps if c > 1)
         _, plain, spec_best = self._searched(n, m, 0)
         saving = 1.0 / plain - 1.0 / spec_best[0] if spec_best[0] > plain > 0 and not plain_wins else 0.0
+        if not saving and not prefill and self.guard_promotes(n):  # the measured rates, as `choose` then drafts
+            meas = self.measured[n]
+            saving = 1.0 / meas["plain"][0] - 1.0 / meas["spec"][0]
         out = [x or (b > 0 and self.catchup_rate * b > saving * r) for x, b, r in zip(last, backlogs, remaining)]
         self.retired += sum(o and not x for o, x in zip(out, last))
         return out

@@ -102,9 +102,9 @@ def test_engine_in_huge_pages_decodes_as_one_without(tiny_llama, monkeypatch):
     for on in ("0", "1"):
         monkeypatch.setenv("EAGLE_SERVE_HUGEPAGES", on)
         before = hugepages.stats()["advised_bytes"]
-        llm = LLM(tiny_llama[0], dtype="bfloat16", device="cpu", kv_cache_tokens=8192, block_size=16)
+        llm = LLM(tiny_llama[0], dtype="bfloat16", device="cpu", kv_cache_tokens=16384, block_size=16)
         advised = hugepages.stats()["advised_bytes"] - before
-        assert (advised > 0) == (on == "1" and thp)  # the KV cache at least (2 MiB here)
+        assert (advised > 0) == (on == "1" and thp)  # the KV cache at least (4 MiB here)
         if on == "1" and thp:
             assert llm.runner.kv.data.data_ptr() % hugepages.HUGE_PAGE == 0
         params = SamplingParams(max_tokens=12, temperature=0, logprobs=3, ignore_eos=True)

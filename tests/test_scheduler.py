@@ -677,6 +677,52 @@ def _noisy_guard_run(p1: float, spec_ms: float, seed: int, n: int = 1, rounds: i
     return spec_rounds / rounds, tokens / seconds
 
 
+def _priced_out_run(spec_ms: float, seed: int, n: int = 4, rounds: int = 2000, **kw):
+    """A budget whose cost model prices every tree far below plain at n sequences (a verify of
+    2n tokens modelled at twice n's), and cannot learn otherwise (cost_rate 0), over rounds drawn
+    as in _noisy_guard_run: plain rounds take 10 ms, speculating ones `spec_ms`. Returns
+    (speculating fraction over the last half, tokens per second, the budget)."""
+    rng = random.Random(seed)
+    costs = CostModel([(1, 0.0030), (4, 0.010), (8, 0.020), (16, 0.036), (32, 0.070)],
+                      [(1, 0.0020), (8, 0.004)], [(1, 0.0010), (8, 0.002)], depth=2)
+    b = TreeBudget(costs, 4, prior=(0.45, 0.15, 0.05), max_depth=2, cost_rate=0.0, **kw)
+    kinds, tokens, seconds = [], 0, 0.0
+    for _ in range(rounds):
+        sizes = b.choose([()] * n, [100] * n)
+        if any(x > 1 for x in sizes):
+            acc = [(rng.random() < 0.45) * (1 + (rng.random() < 0.5)) for _ in range(n)]
+            secs = spec_ms / 1e3 * rng.uniform(0.9, 1.1)
+            for a, size in zip(acc, sizes):
+                b.observe((0.45, 0.15, 0.05), size, a, (1, 1, 2), 1)
+            b.observe_round(sum(sizes), [n], secs, committed=n + sum(acc))
+            tokens += n + sum(acc)
+        else:
+            secs = 0.010 * rng.uniform(0.9, 1.1)
+            b.observe_round(n, [], secs, committed=n)
+            tokens += n
+        kinds.append(any(x > 1 for x in sizes))
+        seconds += secs
+    return sum(kinds[rounds // 2:]) / (rounds - rounds // 2), tokens / seconds, b
+
+
+def test_guard_promotes_speculation_the_model_prices_out_where_it_measures_faster():
+    """The guard's other direction (TreeBudget.guard_promotes): at 4 sequences the model's
+    learnt verify curve priced every tree below plain, the model probes measured speculating
+    rounds faster (456.6 against 418.1 tok/s in a serving sweep), and the budget still decoded
+    plainly in most rounds. Where speculation measures faster by the guard's margin it now runs;
+    where it measures slower, or the guard is off, only the probes draft."""
+    # truth: 4 + 2.7 tokens per 12 ms round = 558 tok/s against 400 plain
+    new = [_priced_out_run(12.0, seed) for seed in range(2)]
+    old = [_priced_out_run(12.0, seed, guard_promote=False) for seed in range(2)]
+    assert all(f > 0.8 and b.promoted > 500 for f, _, b in new)
+    assert all(f < 0.05 and b.promoted == 0 for f, _, b in old)
+    assert all(r_new > 1.2 * r_old for (_, r_new, _), (_, r_old, _) in zip(new, old))
+    # truth: 6.7 tokens per 20 ms = 335 tok/s against 400: the probes alone, nothing promoted
+    for seed in range(2):
+        f, _, b = _priced_out_run(20.0, seed)
+        assert f < 0.05 and b.promoted == 0
+
+
 def test_guard_needs_a_significant_loss_to_override_the_model():
     """One sequence's speculating rounds give 1-3 tokens, so their running rate is noisy, and it
     moves only at probes while the guard holds speculation off: a plain comparison of the two
