@@ -654,15 +654,22 @@ def _noisy_guard_run(p1: float, spec_ms: float, seed: int, n: int = 1, rounds: i
     """A budget whose model says speculate, over rounds whose outcome is random as in serving: each
     speculating sequence gains 0, 1 or 2 tokens (the first with probability p1, the second with
     half that), round times jitter +-10%. Returns (speculating fraction, tokens per second)."""
-    rng = random.Random(seed)
     costs = CostModel([(1, 0.0122), (2, 0.0126), (3, 0.0130), (4, 0.0140), (8, 0.018), (32, 0.020)],
                       [(1, 0.0030), (8, 0.006)], [(1, 0.0015), (8, 0.003)], depth=2)
     b = TreeBudget(costs, 4, prior=(0.45, 0.15, 0.05), max_depth=2, cost_rate=0.0, **kw)
-    spec_rounds, tokens, seconds = 0, 0, 0.0
+    kinds, tok_s = _simulate_rounds(b, n, rounds, p1, spec_ms, 12.2 if n == 1 else 18.0, random.Random(seed))
+    return sum(kinds) / rounds, tok_s
+
+
+def _simulate_rounds(b: TreeBudget, n: int, rounds: int, p1: float, spec_ms: float, plain_ms: float, rng):
+    """Rounds of n decoding sequences as the budget chooses them: each speculating sequence gains
+    0, 1 or 2 tokens (the first with probability p1, the second with half that), a speculating
+    round takes spec_ms and a plain one plain_ms, each +-10%. Returns (per round: whether it
+    speculated, tokens per second)."""
+    kinds, tokens, seconds = [], 0, 0.0
     for _ in range(rounds):
         sizes = b.choose([()] * n, [100] * n)
         if any(x > 1 for x in sizes):
-            spec_rounds += 1
             acc = [(rng.random() < p1) * (1 + (rng.random() < 0.5)) for _ in range(n)]
             secs = spec_ms / 1e3 * rng.uniform(0.9, 1.1)
             for a, size in zip(acc, sizes):
@@ -670,39 +677,24 @@ def _noisy_guard_run(p1: float, spec_ms: float, seed: int, n: int = 1, rounds: i
             b.observe_round(sum(sizes), [n], secs, committed=n + sum(acc))
             tokens += n + sum(acc)
         else:
-            secs = (0.0122 if n == 1 else 0.018) * rng.uniform(0.9, 1.1)
-            b.observe_round(n, [], secs, committed=n)
-            tokens += n
-        seconds += secs
-    return spec_rounds / rounds, tokens / seconds
-
-
-def _priced_out_run(spec_ms: float, seed: int, n: int = 4, rounds: int = 2000, **kw):
-    """A budget whose cost model prices every tree far below plain at n sequences (a verify of
-    2n tokens modelled at twice n's), and cannot learn otherwise (cost_rate 0), over rounds drawn
-    as in _noisy_guard_run: plain rounds take 10 ms, speculating ones `spec_ms`. Returns
-    (speculating fraction over the last half, tokens per second, the budget)."""
-    rng = random.Random(seed)
-    costs = CostModel([(1, 0.0030), (4, 0.010), (8, 0.020), (16, 0.036), (32, 0.070)],
-                      [(1, 0.0020), (8, 0.004)], [(1, 0.0010), (8, 0.002)], depth=2)
-    b = TreeBudget(costs, 4, prior=(0.45, 0.15, 0.05), max_depth=2, cost_rate=0.0, **kw)
-    kinds, tokens, seconds = [], 0, 0.0
-    for _ in range(rounds):
-        sizes = b.choose([()] * n, [100] * n)
-        if any(x > 1 for x in sizes):
-            acc = [(rng.random() < 0.45) * (1 + (rng.random() < 0.5)) for _ in range(n)]
-            secs = spec_ms / 1e3 * rng.uniform(0.9, 1.1)
-            for a, size in zip(acc, sizes):
-                b.observe((0.45, 0.15, 0.05), size, a, (1, 1, 2), 1)
-            b.observe_round(sum(sizes), [n], secs, committed=n + sum(acc))
-            tokens += n + sum(acc)
-        else:
-            secs = 0.010 * rng.uniform(0.9, 1.1)
+            secs = plain_ms / 1e3 * rng.uniform(0.9, 1.1)
             b.observe_round(n, [], secs, committed=n)
             tokens += n
         kinds.append(any(x > 1 for x in sizes))
         seconds += secs
-    return sum(kinds[rounds // 2:]) / (rounds - rounds // 2), tokens / seconds, b
+    return kinds, tokens / seconds
+
+
+def _priced_out_run(spec_ms: float, seed: int, n: int = 4, rounds: int = 2000, **kw):
+    """A budget whose cost model prices every tree far below plain at n sequences (a verify of
+    2n tokens modelled at twice n's), and cannot learn otherwise (cost_rate 0), over
+    _simulate_rounds: plain rounds take 10 ms, speculating ones `spec_ms`. Returns
+    (speculating fraction over the last half, tokens per second, the budget)."""
+    costs = CostModel([(1, 0.0030), (4, 0.010), (8, 0.020), (16, 0.036), (32, 0.070)],
+                      [(1, 0.0020), (8, 0.004)], [(1, 0.0010), (8, 0.002)], depth=2)
+    b = TreeBudget(costs, 4, prior=(0.45, 0.15, 0.05), max_depth=2, cost_rate=0.0, **kw)
+    kinds, tok_s = _simulate_rounds(b, n, rounds, 0.45, spec_ms, 10.0, random.Random(seed))
+    return sum(kinds[rounds // 2:]) / (rounds - rounds // 2), tok_s, b
 
 
 def test_guard_promotes_speculation_the_model_prices_out_where_it_measures_faster():
