@@ -322,7 +322,9 @@ class TreeBudget:
         sixth, the margin probes stopped, and the budget drafted in none of requests 6-21, 133
         of 2847 rounds in all); a probe moves the cost by a tenth of its error, so a stale one
         comes back within the margin (in the test, 20 ms against a true 1 ms: about a thousand
-        rounds), at one speculating round in 64."""
+        rounds), at one speculating round in 64. guard_promote: the measured guard also turns
+        speculation on where the model prices it out but its own rounds measure it faster
+        (`guard_promotes`)."""
         self.costs = costs
         self.min_gain, self.min_gain_one = min_gain, min_gain_one
         self.research_every = research_every
