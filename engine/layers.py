@@ -176,8 +176,8 @@ class Linear(nn.Module):
 
 def weights_to_arena(linears: list["Linear"]) -> int:
     """Move the prepacked native weights (and int8 weights) of `linears` into one huge-page arena
-    (engine.hugepages): a decode step streams them all, and in 4 KiB pages it paid a TLB walk
-    every page (`bench/bench_hugepages.py`). Call after prepack / quantize_int8 and before a
+    (engine.hugepages): a decode step streams them all, about 66,000 pages a step in 4 KiB pages
+    (`bench/bench_hugepages.py` measures the difference). Call after prepack / quantize_int8 and before a
     native stack takes the tensors. Weights that are the module's own `weight` (the row layout)
     stay where they are. Returns the bytes moved."""
     from engine import hugepages
