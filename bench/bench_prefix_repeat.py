@@ -25,11 +25,6 @@ from engine.sampling_params import SamplingParams  # noqa: E402
 from server.llm import LLM  # noqa: E402
 
 
-def first_difference(a: list[int], b: list[int]) -> int:
-    """The first token index where two outputs differ (the shorter's length if one is a prefix)."""
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prompts", type=int, default=40)
@@ -45,7 +40,7 @@ def main(argv=None):
         first = [list(o.token_ids) for o in llm.generate(prompts, params)]
         second = [list(o.token_ids) for o in llm.generate(prompts, params)]
         same = sum(a == b for a, b in zip(first, second))
-        diverge = [first_difference(a, b) for a, b in zip(first, second) if a != b]
+        diverge = [bd.first_divergence(a, b) for a, b in zip(first, second) if a != b]
         key = "prefix_caching" if caching else "no_prefix_caching"
         result["runs"][key] = {"same_outputs": same, "prompts": len(prompts), "first_divergence_at": diverge}
         print(f"{key}: {same}/{len(prompts)} outputs the same in both passes"

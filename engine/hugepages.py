@@ -71,13 +71,14 @@ def empty(nbytes: int) -> torch.Tensor:
     return base[off:off + nbytes]
 
 
-def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """torch.zeros(shape, dtype) on the CPU, in huge pages where `empty` gives them."""
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """torch.zeros(shape, dtype, device): on the CPU in huge pages where `empty` gives them."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
     n = 1
     for x in shape:
         n *= int(x)
-    esize = torch.empty(0, dtype=dtype).element_size()
-    t = empty(n * esize).view(dtype).view(shape)
+    t = empty(n * dtype.itemsize).view(dtype).view(shape)
     t.zero_()
     return t
 

@@ -17,8 +17,7 @@ class KVCache:
         try:
             # on the CPU in huge pages where the kernel has them (engine.hugepages): a decode
             # step reads every sequence's keys and values of every layer
-            self.data = hugepages.zeros(shape, dtype) if torch.device(device).type == "cpu" \
-                else torch.zeros(shape, dtype=dtype, device=device)
+            self.data = hugepages.zeros(shape, dtype, device)
         except (RuntimeError, MemoryError) as e:  # e.g. --kv-cache-tokens far past the memory
             raise ValueError(f"cannot allocate the KV cache ({_gib(shape, dtype):.1f} GiB for {num_blocks * block_size} "
                              f"slots): ask for fewer (serve / generate: --kv-cache-tokens) ({str(e).splitlines()[0][:120]})") from None

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import kernels
+from engine import hugepages, kernels
 
 
 FAST_DTYPES = (torch.float32, torch.bfloat16)
@@ -180,7 +180,6 @@ def weights_to_arena(linears: list["Linear"]) -> int:
     (`bench/bench_hugepages.py` measures the difference). Call after prepack / quantize_int8 and before a
     native stack takes the tensors. Weights that are the module's own `weight` (the row layout)
     stay where they are. Returns the bytes moved."""
-    from engine import hugepages
     if not hugepages.enabled():
         return 0
     slots = []

@@ -75,9 +75,8 @@ class EagleDrafter(Drafter):
         # zeroed now, as the KV caches are: left untouched, every slot's first write (a row of
         # 4.6 KB with the shipped head) faulted its pages in during serving, a cost only an engine
         # with a head paid (bench/bench_instances.py +lazyfeat)
-        shape = (num_blocks * block_size, feature_width(cfg.hidden_size, head.aux_layers))
-        self.features = hugepages.zeros(shape, dtype) if torch.device(device).type == "cpu" \
-            else torch.zeros(shape, dtype=dtype, device=device)
+        self.features = hugepages.zeros((num_blocks * block_size, feature_width(cfg.hidden_size, head.aux_layers)),
+                                        dtype, device)
         self.backend = make_backend(cfg.head_dim ** -0.5, device, dtype, attention)
         self.rotary = target.model.rotary if shares_target_rotary(cfg, target.config) else _rotary(cfg)
         # per KV slot: 1 once the head's KV there was written from the slot's current feature and
