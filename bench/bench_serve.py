@@ -8,7 +8,9 @@ of the default head trained on: its card), all through the chat template; greedy
 tokens. The points re-send the same prompts, so the engines run without prefix caching unless
 --prefix-caching is given (with it, most prefills after the first points are cache hits).
 Each (C, repetition) runs both engines, in an order that alternates between repetitions, so
-machine drift hits both alike. Three transports:
+machine drift hits both alike; --passes 2 runs each twice within a repetition, mirrored (on, off,
+off, on), and takes each engine's tokens over its summed wall time, so drift that is linear over
+the repetition cancels within it (with --prefix-caching the second pass hits the cache). Three transports:
   inproc  the scheduler's async API (scheduler.async_engine.AsyncEngine.generate)
   http    the OpenAI server (uvicorn on 127.0.0.1, streaming, the official `openai` SDK), in a
           thread of this process: the client, the server's event loop and the engine share one GIL
@@ -25,6 +27,7 @@ Speedup on/off = median over repetitions of the per-repetition ratio.
     .venv/bin/python bench/bench_serve.py                         # full sweep (~25 min)
     .venv/bin/python bench/bench_serve.py --concurrency 1,4 --reps 1 --transports inproc
     .venv/bin/python bench/bench_serve.py --transports inproc --reps 3 --instances 3   # a fresh build per rep
+    .venv/bin/python bench/bench_serve.py --transports inproc --reps 3 --passes 2      # on, off, off, on per rep
     .venv/bin/python bench/bench_serve.py --transports http-proc --reps 3 --instances 3 --out bench/results/serve_http_proc.json
 Writes --out (bench/results/serve.json) and a .png next to it.
 """
@@ -72,6 +75,10 @@ def parse_args(argv=None):
                     help="engines built per kind; repetition r runs on instance r mod K, so whatever sets one "
                          "build apart (bench/bench_instances.py compares builds) is not carried into every "
                          "repetition")
+    ap.add_argument("--passes", type=int, default=1,
+                    help="runs of every engine per repetition, the order reversed each pass (2: on, off, off, on): "
+                         "a repetition's ratio is its engines' tokens over their summed wall time, so drift that is "
+                         "linear over the repetition cancels instead of favouring whichever ran second")
     ap.add_argument("--log-dir", default="/tmp/bench_serve_logs", help="http-proc: the servers' logs")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "serve.json"))
     return ap.parse_args(argv)
@@ -283,17 +290,19 @@ async def sweep(args, engines: dict, prompts) -> list[dict]:
             for conc in concs:
                 n_req = max(2 * conc, args.min_requests)
                 for rep in range(args.reps):
-                    order = list(transports) if rep % 2 == 0 else list(reversed(transports))
-                    for name in order:
+                    first = list(transports) if rep % 2 == 0 else list(reversed(transports))
+                    passes = getattr(args, "passes", 1)
+                    order = [(p, name) for p in range(passes) for name in (first if p % 2 == 0 else first[::-1])]
+                    for pass_, name in order:
                         inst = rep % len(transports[name])
                         t = transports[name][inst]
                         r = await run_load(t, prompts, conc, n_req, args.max_new, offset=rep * 7)
                         r.update(transport=transport_name, engine=name, concurrency=conc, rep=rep, instance=inst,
-                                 reconnects_so_far=getattr(t, "reconnects", 0))
+                                 reconnects_so_far=getattr(t, "reconnects", 0), **({"pass": pass_} if passes > 1 else {}))
                         rows.append(r)
                         extra = (f", catch-up {r['catchup_s']:.2f}s, drafted in {r['spec_rounds']} of {r['rounds']} rounds"
                                  if r.get("rounds") else "")
-                        print(f"{transport_name} c={conc} rep={rep} {name}: {r['tok_s']:.1f} tok/s, "
+                        print(f"{transport_name} c={conc} rep={rep}{f'.{pass_}' if passes > 1 else ''} {name}: {r['tok_s']:.1f} tok/s, "
                               f"ttft p50 {r['ttft_p50']:.3f}s, itl p50 {r['itl_p50'] or 0:.4f}s{extra}", flush=True)
             for name, ts in transports.items():
                 for i, t in enumerate(ts):
@@ -306,13 +315,15 @@ async def sweep(args, engines: dict, prompts) -> list[dict]:
 
 
 def rep_ratios(rows, engine: str, against: str) -> list[float]:
-    """tok/s of `engine` over `against`, one ratio per repetition both ran (rows of one point)."""
+    """tok/s of `engine` over `against`, one ratio per repetition both ran (rows of one point);
+    with several passes per repetition (--passes), each engine's tokens over its summed wall time."""
     ratios = []
     for rep in sorted({r["rep"] for r in rows}):
         a = [r for r in rows if r["rep"] == rep and r["engine"] == engine]
         b = [r for r in rows if r["rep"] == rep and r["engine"] == against]
         if a and b:
-            ratios.append(a[0]["tok_s"] / b[0]["tok_s"])
+            rate = lambda rs: sum(r["tokens"] for r in rs) / sum(r["wall_s"] for r in rs)  # noqa: E731
+            ratios.append(rate(a) / rate(b))
     return ratios
 
 

@@ -171,6 +171,58 @@ def test_native_paged_attention_depends_only_on_the_visible_keys(dtype, n, H, Hk
 
 
 @pytest.mark.skipif(native is None, reason="no native kernels on this CPU or no compiler")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 200, 300])  # committed keys: within, at and across key chunks (128)
+@pytest.mark.parametrize("H, Hkv, D", [(9, 3, 64), (16, 2, 64), (6, 2, 128), (2, 1, 48)])
+def test_native_paged_attention_rows_sharing_keys_compute_what_each_row_alone_does(dtype, n, H, Hkv, D):
+    """A row's output must be bit-identical to that row alone over its visible keys, whatever
+    other rows and sequences share the batch (a tree's other nodes over the same committed keys,
+    a plain step, a causal prompt chunk), in whatever order the rows come: what greedy
+    speculation's equality with plain decoding rests on, and what a kernel that reads rows
+    sharing keys together (a work item per sequence, not per row) must keep."""
+    gen = torch.Generator().manual_seed(1000 + n)
+    S = n + 120
+    kc = torch.randn(S, Hkv, D, generator=gen).to(dtype)
+    vc = torch.randn(S, Hkv, D, generator=gen).to(dtype)
+    perm = torch.randperm(S, generator=gen).tolist()
+    # sequence 0: n committed keys, then a tree of 5 nodes (0 root; 1, 2 its children; 3 under 1; 4 under 3)
+    committed, nodes = perm[:n], perm[n:n + 5]
+    parents = [None, 0, 0, 1, 3]
+    seq0 = committed + nodes
+    tree = torch.zeros(5, 5, dtype=torch.bool)
+    for i in range(5):
+        j = i
+        while j is not None:
+            tree[i, j] = True
+            j = parents[j]
+    # sequence 1: a plain step over 70 other keys; sequence 2: a causal prompt chunk of 3 rows after 90 keys
+    seq1 = perm[n + 5:n + 75]
+    seq2 = perm[n + 5:n + 5 + 93]  # shares slots with sequence 1: only its own rows' lists matter
+    L = max(len(seq0), len(seq1), len(seq2))
+    gather = torch.zeros(3, L, dtype=torch.long)
+    mask = torch.zeros(3, 5, L, dtype=torch.bool)
+    for b, sl in enumerate((seq0, seq1, seq2)):
+        gather[b, :len(sl)] = torch.tensor(sl)
+    mask[0, :, :n] = True
+    mask[0, :, n:n + 5] = tree
+    mask[1, 0, :70] = True
+    for r in range(3):
+        mask[2, r, :91 + r] = True
+    # rows interleaved across sequences: (seq, row)
+    rows = [(0, 0), (2, 0), (0, 1), (1, 0), (0, 2), (2, 1), (0, 3), (2, 2), (0, 4)]
+    q = (torch.randn(len(rows), H, D, generator=gen) * 2).to(dtype)
+    lens = torch.tensor([len(seq0), len(seq1), len(seq2)])
+    batched = native.paged_attention(q, kc, vc, gather, lens, torch.tensor([b for b, _ in rows]),
+                                     torch.tensor([r for _, r in rows]), mask, D ** -0.5)
+    for i, (b, r) in enumerate(rows):
+        visible = [gather[b, j].item() for j in range(L) if mask[b, r, j]]
+        alone = native.paged_attention(q[i:i + 1], kc, vc, torch.tensor([visible]), torch.tensor([len(visible)]),
+                                       torch.tensor([0]), torch.tensor([0]), torch.empty(0, dtype=torch.bool),
+                                       D ** -0.5)
+        assert torch.equal(batched[i], alone[0]), (b, r)
+
+
+@pytest.mark.skipif(native is None, reason="no native kernels on this CPU or no compiler")
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_mixed_prefill_and_decode_batch_matches_torch_backend(dtype, tol):
     """Continuous batching: a 100-token prefill chunk (past the native kernel's query limit)
