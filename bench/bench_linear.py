@@ -4,6 +4,7 @@ kernel (row layout, and bf16's packed layout), over the default model's weight s
 LM head: the bytes one decode step reads), for 1..24 input rows.
 
     .venv/bin/python bench/bench_linear.py [--dtypes bfloat16,float32] [--rows 1,2,4,8,16,24]
+    .venv/bin/python bench/bench_linear.py --dtypes bfloat16 --rows 1,4 --layers 2 --no-head   # cache-resident
 
 Prints ms per pass and effective GB/s; writes bench/results/linear.json. This is what sets
 SKINNY_MAX_ROWS (engine/layers.py) and why the CPU path prepacks weights.
@@ -38,9 +39,9 @@ def timed(fn, reps: int) -> float:
     return (time.perf_counter() - t0) / reps
 
 
-def weights(dtype: torch.dtype) -> list[torch.Tensor]:
-    return [(torch.randn(o, i) * 0.02).to(dtype) for _ in range(30) for o, i in SHAPES] + \
-           [(torch.randn(*HEAD) * 0.02).to(dtype)]
+def weights(dtype: torch.dtype, layers: int = 30, head: bool = True) -> list[torch.Tensor]:
+    return [(torch.randn(o, i) * 0.02).to(dtype) for _ in range(layers) for o, i in SHAPES] + \
+           ([(torch.randn(*HEAD) * 0.02).to(dtype)] if head else [])
 
 
 def paths(ws: list[torch.Tensor]) -> dict:
@@ -57,18 +58,20 @@ def paths(ws: list[torch.Tensor]) -> dict:
     return out
 
 
-def measure(dtype: torch.dtype, rows: list[int], reps: int) -> list[dict]:
-    ws = weights(dtype)
+def measure(dtype: torch.dtype, rows: list[int], reps: int, layers: int = 30, head: bool = True) -> list[dict]:
+    ws = weights(dtype, layers, head)
     nbytes = sum(w.numel() * w.element_size() for w in ws)
     results = []
     for m in rows:
         xs = {k: torch.randn(m, k).to(dtype) for k in {w.shape[1] for w in ws}}
         for name, fn in paths(ws).items():
             s = timed(lambda: [fn(xs[w.shape[1]], i) for i, w in enumerate(ws)], reps)
+            flops = 2 * m * nbytes / ws[0].element_size()
             results.append({"dtype": str(dtype).removeprefix("torch."), "rows": m, "path": name,
-                            "ms": round(s * 1e3, 3), "GB_per_s": round(nbytes / s / 1e9, 1)})
-            print(f"{results[-1]['dtype']:9} rows {m:3}  {name:17} {s * 1e3:8.2f} ms  {nbytes / s / 1e9:6.1f} GB/s",
-                  flush=True)
+                            "ms": round(s * 1e3, 3), "GB_per_s": round(nbytes / s / 1e9, 1),
+                            "GFLOP_per_s": round(flops / s / 1e9, 1)})
+            print(f"{results[-1]['dtype']:9} rows {m:3}  {name:17} {s * 1e3:8.3f} ms  {nbytes / s / 1e9:6.1f} GB/s"
+                  f"  {flops / s / 1e9:6.1f} GFLOP/s", flush=True)
     return results
 
 
@@ -77,10 +80,15 @@ def main() -> None:
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--rows", default="1,2,4,8,16,24")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--layers", type=int, default=30,
+                    help="layers of weights (2 with --no-head: 13.5 MB in bf16, which stays in a 32 MB L3: what the "
+                         "products cost in arithmetic once the weights arrive fast)")
+    ap.add_argument("--no-head", action="store_true", help="leave the 49152-token LM head out")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "linear.json"))
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
-    results = [r for d in args.dtypes.split(",") for r in measure(getattr(torch, d), rows, args.reps)]
+    results = [r for d in args.dtypes.split(",")
+               for r in measure(getattr(torch, d), rows, args.reps, args.layers, not args.no_head)]
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     sys.path.insert(0, HERE)
     import bench_decode as bd
