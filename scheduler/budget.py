@@ -477,12 +477,17 @@ class TreeBudget:
         plain with such rounds was held off in ~half the rounds by the plain comparison. At
         larger batches a round's tokens are a sum over its sequences, the standard error
         shrinks, and the guard is as sharp as before; deterministic rates need no margin."""
+        gap = self._measured_gap(n, stale)
+        return None if gap is None else gap[0] > gap[1]
+
+    def _measured_gap(self, n: int, stale: bool = True) -> tuple[float, float] | None:
+        """(plain's running rate - speculation's, guard_z standard errors of that difference) at
+        batch size n, None before guard_min rounds of each (or with the guard off)."""
         m = self.measured.get(n, {})
         plain, spec = m.get("plain"), m.get("spec")
         if not (self.guard_min and plain and spec and plain[1] >= self.guard_min and spec[1] >= self.guard_min):
             return None
-        se2 = self._se2(plain, stale) + self._se2(spec, stale)
-        return plain[0] - spec[0] > self.guard_z * se2 ** 0.5
+        return plain[0] - spec[0], self.guard_z * (self._se2(plain, stale) + self._se2(spec, stale)) ** 0.5
 
     def guard_promotes(self, n: int) -> bool:
         """The guard's other direction: this batch size's own measurement has speculating rounds
@@ -494,14 +499,8 @@ class TreeBudget:
         the budget then drafted in 15-30% of the rounds at 4 clients (its model probes) while
         those rounds measured 456.6 tok/s against 418.1 plain, and the run read 0.97x the engine
         without speculation (bench/results/serve_s44_zen4_huge.json). Off with guard_promote=False."""
-        if not (self.guard_promote and self.guard_min):
-            return False
-        m = self.measured.get(n, {})
-        plain, spec = m.get("plain"), m.get("spec")
-        if not (plain and spec and plain[1] >= self.guard_min and spec[1] >= self.guard_min):
-            return False
-        se2 = self._se2(plain) + self._se2(spec)
-        return spec[0] - plain[0] > self.guard_z * se2 ** 0.5
+        gap = self._measured_gap(n) if self.guard_promote else None
+        return gap is not None and -gap[0] > gap[1]
 
     def _se2(self, entry: list, stale: bool = True) -> float:
         """Squared standard error of a measured guard entry's running average: its variance
@@ -577,7 +576,10 @@ class TreeBudget:
         drafted every sequence and paid each one's backlog (2.30 s off against 2.58 s on over
         2-7 sequences: bench/results/round_overhead_c8_s25.json)."""
         n = len(confidences)
-        retired = [False] * n if any(confidences) else self._retire(caps, backlogs, remaining, prefill_tokens)
+        # the measured guard's promotion, judged once a round (the retirement prices it too)
+        promotes = not prefill_tokens and not any(confidences) and self.guard_promotes(n)
+        retired = [False] * n if any(confidences) else self._retire(caps, backlogs, remaining, prefill_tokens,
+                                                                   promotes)
         if any(retired):
             caps = [1 if r else c for c, r in zip(caps, retired)]
         if prefill_tokens and not self.spec_with_prefill:
@@ -607,7 +609,7 @@ class TreeBudget:
                     and self.measured.get(n, {}).get("plain", (0.0, 0))[1] < self.guard_min:
                 sizes, deep, kind = [1] * n, [0] * n, "plain"  # plain's rate at this size, early
                 self.explored += 1
-        if model_kind == "plain" and not prefill_tokens and not any(confidences) and self.guard_promotes(n):
+        if model_kind == "plain" and promotes:
             alt_sizes, alt_deep, _, _ = self._choose_shared(caps, prefill_tokens, probe=True)
             if any(x > 1 for x in alt_sizes):  # measured: speculation wins here, whatever the model says
                 sizes, deep, kind = alt_sizes, alt_deep, "spec"
@@ -646,7 +648,7 @@ class TreeBudget:
         self._search.clear()
 
     def _retire(self, caps: list[int], backlogs: list[int] | None, remaining: list[int] | None,
-                prefill: int = 0) -> list[bool]:
+                prefill: int = 0, promotes: bool = False) -> list[bool]:
         """Sequences whose backlog of head pairs costs more to consume than drafting could
         save them over their remaining tokens (see `choose`); none before a catch-up was timed.
         Judged in every round, prefill rounds too (they decode plainly, but the drafter's sync
@@ -668,7 +670,7 @@ class TreeBudget:
         m = sum(1 for c in caps if c > 1)
         _, plain, spec_best = self._searched(n, m, 0)
         saving = 1.0 / plain - 1.0 / spec_best[0] if spec_best[0] > plain > 0 and not plain_wins else 0.0
-        if not saving and not prefill and self.guard_promotes(n):  # the measured rates, as `choose` then drafts
+        if not saving and promotes:  # the measured rates, as `choose` then drafts (`guard_promotes`)
             meas = self.measured[n]
             saving = 1.0 / meas["plain"][0] - 1.0 / meas["spec"][0]
         out = [x or (b > 0 and self.catchup_rate * b > saving * r) for x, b, r in zip(last, backlogs, remaining)]
