@@ -161,6 +161,8 @@ def decode_part(mods: dict, trees: list[str], prompts: list[list[int]], max_new:
         # tokens a verify step gives (accepted drafts + 1): the builds' drafts may differ where a
         # kernel change reaches the head (int8 products), their outputs not
         verified = {name: [0, 0] for name in mods}
+        # the engine's own round phases (ModelRunner.timings) over the timed calls only
+        t_start = {name: _phases(engines[name]) for name in mods}
         for i, group in enumerate(groups):
             order = list(mods) if i % 2 == 0 else list(mods)[::-1]
             for name in order:
@@ -175,11 +177,18 @@ def decode_part(mods: dict, trees: list[str], prompts: list[list[int]], max_new:
                     verified[name][1] += o.spec.accepted_tokens
         names = list(mods)
         rates = {name: toks[name] / secs[name] for name in mods}
+        phases = {}
+        for name in mods:
+            (d0, v0, a0, n0), (d1, v1, a1, n1) = t_start[name], _phases(engines[name])
+            n = max(1, n1 - n0)
+            phases[name] = {"rounds": n1 - n0, "draft_ms": 1e3 * (d1 - d0) / n, "verify_ms": 1e3 * (v1 - v0) / n,
+                            "accept_ms": 1e3 * (a1 - a0) / n}
         acceptance = {name: (1 + a / v if v else None) for name, (v, a) in verified.items()}
         if len(names) == 2:
             same = sum(a == b for a, b in zip(outputs[names[0]], outputs[names[1]]))
             out[tree] = {"tok_s": rates, "ratio": rates[names[1]] / rates[names[0]], "tokens": toks,
-                         "same_outputs": f"{same}/{len(prompts)}", "acceptance": acceptance}
+                         "same_outputs": f"{same}/{len(prompts)}", "acceptance": acceptance,
+                         "ms_per_round": phases}
             tail = f"  ratio {out[tree]['ratio']:.3f}  same outputs {same}/{len(prompts)}"
             if all(acceptance.values()):
                 tail += "  acceptance " + " / ".join(f"{acceptance[n]:.3f}" for n in names)
@@ -187,12 +196,21 @@ def decode_part(mods: dict, trees: list[str], prompts: list[list[int]], max_new:
             last = names[-1]
             same = {n: f"{sum(a == b for a, b in zip(outputs[n], outputs[last]))}/{len(prompts)}" for n in names}
             out[tree] = {"tok_s": rates, "ratio_to_" + last: {n: rates[n] / rates[last] for n in names},
-                         "tokens": toks, "same_outputs_as_" + last: same, "acceptance": acceptance}
+                         "tokens": toks, "same_outputs_as_" + last: same, "acceptance": acceptance,
+                         "ms_per_round": phases}
             tail = "  x " + last + ": " + " ".join(f"{rates[n] / rates[last]:.3f}" for n in names)
         print(f"decode {tree}: " + "  ".join(f"{n} {r:.1f} tok/s" for n, r in rates.items())
               + tail + f"  (batch {batch})", flush=True)
+        print("    ms a round, draft / verify: " + "  ".join(
+            f"{n} {p['draft_ms']:.3f} / {p['verify_ms']:.3f}" for n, p in phases.items()), flush=True)
         del engines
     return out
+
+
+def _phases(llm) -> tuple[float, float, float, int]:
+    """An engine's cumulative round phases: (draft, verify, accept seconds, rounds)."""
+    t = llm.runner.timings
+    return t.draft, t.verify, t.accept, t.steps
 
 
 def with_history(prompts: list[list[int]], context: int) -> list[list[int]]:

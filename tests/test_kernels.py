@@ -841,6 +841,44 @@ def test_native_argmax_rows_is_max_indices(v):
 
 
 @pytest.mark.skipif(native is None, reason="no native kernels on this CPU or no compiler")
+@pytest.mark.parametrize("v", [1, 5, 16, 17, 320, 8192])
+def test_native_topk_log_softmax_is_log_softmax_topk(v):
+    """A draft level's ranking (topk_log_softmax) gives log_softmax(x).topk(k): the same
+    indices (through d2t where given), values within float32 rounding; equal values by lower
+    index (a vector block holding one already held, the scalar tail alike); rows with a NaN or an
+    infinity as ATen ranks them; 1..64 rows (the rows split over threads past 16)."""
+    gen = torch.Generator().manual_seed(v)
+    none = torch.empty(0, dtype=torch.long)
+    for rows in (1, 3, 40):
+        for k in sorted({1, min(2, v), min(10, v), v if v <= 17 else 1}):
+            x = torch.randn(rows, v, generator=gen) * 4
+            got_v, got_i = native.topk_log_softmax(x, k, none)
+            ref = x.log_softmax(-1).topk(k)
+            assert torch.equal(got_i, ref.indices)
+            torch.testing.assert_close(got_v, ref.values, rtol=0, atol=1e-5)
+            d2t = torch.randperm(v, generator=gen) * 7
+            assert torch.equal(native.topk_log_softmax(x, k, d2t)[1], d2t[ref.indices])
+    x = torch.zeros(2, v)
+    x[:, v // 3] = x[:, v - 1] = 3.0  # ties: the lower index first
+    got_v, got_i = native.topk_log_softmax(x, min(2, v), none)
+    want = [v // 3, v - 1] if v > 1 and v // 3 != v - 1 else [v - 1, 0][:min(2, v)]
+    assert got_i[0].tolist() == want[:min(2, v)] and got_i[1].tolist() == want[:min(2, v)]
+    if v >= 5:
+        bad = torch.randn(3, v, generator=gen)
+        bad[0, 2] = float("nan")
+        bad[1, 4] = float("inf")
+        bad[2, 1] = float("-inf")
+        got_v, got_i = native.topk_log_softmax(bad, 3, none)
+        ref = bad.log_softmax(-1).topk(3)
+        assert torch.equal(got_i, ref.indices)
+        torch.testing.assert_close(got_v, ref.values, rtol=0, atol=1e-5, equal_nan=True)
+    with pytest.raises(RuntimeError, match="k must be"):
+        native.topk_log_softmax(torch.zeros(1, v), v + 1, none)
+    with pytest.raises(RuntimeError, match="float32"):
+        native.topk_log_softmax(torch.zeros(1, v, dtype=torch.float64), 1, none)
+
+
+@pytest.mark.skipif(native is None, reason="no native kernels on this CPU or no compiler")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("int8", [False, True])
 def test_fused_draft_level_equals_the_python_path(tiny_llama, tmp_path, dtype, int8):

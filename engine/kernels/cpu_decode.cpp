@@ -29,6 +29,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
                               double scale);
 torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor weight, double eps);
 torch::Tensor rms_norm_chunks(torch::Tensor x, int64_t n, double eps);
+std::vector<torch::Tensor> topk_log_softmax(torch::Tensor x, int64_t k, torch::Tensor d2t);
 int64_t int8_in_features(const torch::Tensor& wq);
 extern const int64_t STREAM_NTA_BYTES;
 extern thread_local bool stream_nta;
@@ -265,15 +266,25 @@ struct DecodeStack {
     if (n_aux > 0)
       f = f + skinny_linear(rms_norm_chunks(feats.narrow(1, h, n_aux * h).contiguous(), n_aux, eps), fc_aux_w,
                             c10::nullopt, false);
-    torch::Tensor x = skinny_linear(torch::cat({embed_w.index_select(0, ids), f}, 1), fc_w, opt(fc_b), false);
+    // [embed_w[ids] ; f] row by row (index_select and cat: two more ATen ops and a copy a level)
+    const int64_t T = ids.size(0), es = f.element_size();
+    TORCH_CHECK(ids.is_contiguous() && ids.scalar_type() == at::kLong && embed_w.is_contiguous() &&
+                embed_w.scalar_type() == f.scalar_type() && f.stride(1) == 1, "head_level: ids, embed_w, feats");
+    torch::Tensor in = torch::empty({T, 2 * h}, f.options());
+    const int64_t* idp = ids.data_ptr<int64_t>();
+    for (int64_t t = 0; t < T; ++t) {
+      TORCH_CHECK(idp[t] >= 0 && idp[t] < embed_w.size(0), "head_level: token id out of range");
+      char* dst = static_cast<char*>(in.data_ptr()) + t * 2 * h * es;
+      std::memcpy(dst, static_cast<const char*>(embed_w.data_ptr()) + idp[t] * h * es, h * es);
+      std::memcpy(dst + h * es, static_cast<const char*>(f.data_ptr()) + t * f.stride(0) * es, h * es);
+    }
+    torch::Tensor x = skinny_linear(in, fc_w, opt(fc_b), false);
     torch::Tensor hidden = forward(x, kv, slot_mapping, kv_gather, kv_lens, q_seq, q_row, mask,
                                    cos_table.index_select(0, positions), sin_table.index_select(0, positions));
     torch::Tensor rows = top_rows.numel() ? hidden.index_select(0, top_rows) : hidden;
     torch::Tensor logits = skinny_linear(rows.contiguous(), lm_w, c10::nullopt, true);
-    auto top = at::topk(at::log_softmax(logits, -1), std::min<int64_t>(k, logits.size(1)));
-    torch::Tensor idx = std::get<1>(top);
-    if (d2t.numel()) idx = d2t.index({idx});
-    return {hidden, rows, std::get<0>(top), idx};
+    auto top = topk_log_softmax(logits, std::min<int64_t>(k, logits.size(1)), d2t);
+    return {hidden, rows, top[0], top[1]};
   }
 
   // A whole EAGLE-2 draft tree in one call: EagleDrafter.propose's dynamic path (its first
@@ -349,23 +360,24 @@ struct DecodeStack {
     };
     // a level's top-k of row `row` as children of candidate `parent` (-1: the root) at `depth`;
     // returns the new candidates' indices
-    auto expand = [&](Grow& gr, int64_t parent, int64_t depth, const double* vp, const int64_t* ip, int64_t row) {
+    auto expand = [&](Grow& gr, int64_t parent, int64_t depth, const float* vp, const int64_t* ip, int64_t row) {
       std::vector<int64_t> added;
       for (int64_t r = 0; r < width; ++r) {
         added.push_back(static_cast<int64_t>(gr.tokens.size()));
         gr.tokens.push_back(ip[row * width + r]);
         gr.parents.push_back(parent);
-        gr.scores.push_back(parent < 0 ? vp[row * width + r] : gr.scores[parent] + vp[row * width + r]);
+        const double v = vp[row * width + r];  // (float to double: exact)
+        gr.scores.push_back(parent < 0 ? v : gr.scores[parent] + v);
         gr.depths.push_back(depth);
       }
       return added;
     };
     {
-      const torch::Tensor values = lv[2].to(at::kDouble).contiguous(), idx = lv[3].contiguous();
+      const torch::Tensor values = lv[2].contiguous(), idx = lv[3].contiguous();
       TORCH_CHECK(values.size(1) == width, "draft_tree: the draft vocabulary has fewer tokens than width");
       for (int64_t b = 0; b < B; ++b) {
         Grow& gr = g[b];
-        gr.frontier = next_frontier(gr, expand(gr, -1, 1, values.data_ptr<double>(), idx.data_ptr<int64_t>(), b));
+        gr.frontier = next_frontier(gr, expand(gr, -1, 1, values.data_ptr<float>(), idx.data_ptr<int64_t>(), b));
         gr.frontier_feats = lv[1].narrow(0, b, 1).expand({static_cast<int64_t>(gr.frontier.size()), -1});
       }
     }
@@ -402,7 +414,7 @@ struct DecodeStack {
         fs[j] = gr.frontier_feats;
       }
       auto out = run_level(toks, cached, tabs, pos, masks, mcached, torch::cat(fs), 0, all_rows);
-      const torch::Tensor values = out[2].to(at::kDouble).contiguous(), idx = out[3].contiguous();
+      const torch::Tensor values = out[2].contiguous(), idx = out[3].contiguous();
       int64_t row = 0;
       for (size_t j = 0; j < n; ++j) {
         Grow& gr = g[todo[j]];
@@ -411,7 +423,7 @@ struct DecodeStack {
         std::vector<int64_t> added;
         gr.scratch.insert(gr.scratch.end(), expanded.begin(), expanded.end());
         for (int64_t c : expanded) {
-          const auto kids = expand(gr, c, depth, values.data_ptr<double>(), idx.data_ptr<int64_t>(), row++);
+          const auto kids = expand(gr, c, depth, values.data_ptr<float>(), idx.data_ptr<int64_t>(), row++);
           added.insert(added.end(), kids.begin(), kids.end());
         }
         gr.frontier = depth < max_depth[todo[j]] ? next_frontier(gr, added) : std::vector<int64_t>();

@@ -776,6 +776,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
 torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor weight, double eps);
 torch::Tensor rms_norm_chunks(torch::Tensor x, int64_t n, double eps);
 torch::Tensor argmax_rows(torch::Tensor x);
+std::vector<torch::Tensor> topk_log_softmax(torch::Tensor x, int64_t k, torch::Tensor d2t);
 void register_decode_stack(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -791,6 +792,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "attention of few queries over block-table slots");
   m.def("add_rms_norm", &add_rms_norm, "x += delta; return rms_norm(x) * weight");
   m.def("argmax_rows", &argmax_rows, "per row of float32 [R, V], max(-1).indices (first index; NaN propagates)");
+  m.def("topk_log_softmax", &topk_log_softmax,
+        "per row of float32 [R, V], the k best log_softmax values (descending, ties by index) and their indices "
+        "(through d2t [V] where non-empty)", py::arg("x"), py::arg("k"), py::arg("d2t"));
   m.def("rms_norm_chunks", &rms_norm_chunks, "each of n equal chunks of every row RMS-normalised, no weight");
   m.def("set_nta_streams", [](bool on) { nta_streams = on; },
         "stream large weights with non-temporal prefetches (default: on AMD CPUs only)");

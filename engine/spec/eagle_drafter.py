@@ -154,6 +154,10 @@ class EagleDrafter(Drafter):
         written = self.head_written
         for x in slots:
             written[x] = 1
+        if slots and slots[-1] - slots[0] == len(slots) - 1 and slots == list(range(slots[0], slots[-1] + 1)):
+            # consecutive (one sequence's pairs within a block, most rounds): a view of the rows,
+            # not an index tensor and a gather (the head reads them before the cache is written again)
+            return self.features[slots[0]:slots[-1] + 1]
         return self.features[torch.tensor(slots, dtype=torch.long, device=self.device)]
 
     def backlog(self, seq_id: int) -> int:

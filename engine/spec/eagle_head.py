@@ -57,12 +57,20 @@ class EagleHead(nn.Module):
         self.lm_head.weight.data = w[self.d2t].contiguous()
 
     def draft_topk(self, hidden: torch.Tensor, target: LlamaForCausalLM, k: int):
-        """(log-probs, target token ids) of the k most likely draft tokens per row."""
+        """(log-probs, target token ids) of the k most likely draft tokens per row: float32 logits
+        on the CPU in one native call (kernels' topk_log_softmax, the ranking head_level's
+        native path does, so the two paths agree), else log_softmax and topk."""
         if self.lm_head is None:
-            top = target.compute_logits(hidden).log_softmax(-1).topk(k)
-            return top.values, top.indices
-        top = self.lm_head(hidden, float_out=True).float().log_softmax(-1).topk(min(k, len(self.d2t)))
-        return top.values, self.d2t[top.indices]
+            logits, d2t = target.compute_logits(hidden), None
+        else:
+            logits, d2t = self.lm_head(hidden, float_out=True).float(), self.d2t
+        k = min(k, logits.shape[-1])
+        fn = (getattr(kernels.native(), "topk_log_softmax", None)
+              if logits.device.type == "cpu" and logits.dtype == torch.float32 else None)
+        if fn is not None:
+            return tuple(fn(logits.contiguous(), k, d2t if d2t is not None else _NONE))
+        top = logits.log_softmax(-1).topk(k)
+        return top.values, top.indices if d2t is None else d2t[top.indices]
 
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, batch: ForwardBatch,
                 kv: KVCache, backend: AttentionBackend, rotary) -> torch.Tensor:
