@@ -16,8 +16,14 @@ calls; warm caches unless a probe says otherwise):
              the engine thread as the engine runs it
   greedy     plain greedy decoding of 32 MT-bench prompts at once, sampler.choose by argmax
              against max(-1).indices, alternating, same engine: tokens/s and equal outputs
+  roofline   a plain step's native stack (one token after an MT-bench prompt) against its 120
+             layer products called alone and a 230 MB product, alternating: ms and GB/s (how
+             near the step is to the memory stream)
+  tree       a real round's whole 4x2x2 draft tree (the shipped head, DecodeStack.draft_tree,
+             captured mid-generation) replayed hot, right after a 230 MB product streamed
+             non-temporally, and right after the same stream temporal
 
-    .venv/bin/python bench/bench_probes.py [--probes dot,attention,head,argmax,stack,greedy]
+    .venv/bin/python bench/bench_probes.py [--probes dot,attention,head,argmax,stack,greedy,roofline,tree]
 Writes --out (bench/results/probes.json).
 """
 from __future__ import annotations
@@ -181,19 +187,105 @@ def probe_greedy() -> dict:
             "same_outputs": outs["argmax"] == outs["max_indices"]}
 
 
+def _big_stream(mod):
+    """A packed bf16 [200000, 576] weight (230 MB, past any cache) and a one-row input."""
+    return mod.pack_bf16((torch.randn(200000, 576) * 0.02).to(torch.bfloat16)), torch.randn(1, 576).to(torch.bfloat16)
+
+
+def _median_ms(xs: list[float]) -> float:
+    return round(1e3 * statistics.median(xs), 3)
+
+
+def probe_roofline(mod) -> dict:
+    from engine.layers import Linear
+    from engine.sampling_params import SamplingParams
+    from server.llm import LLM
+    llm = LLM(None, dtype="bfloat16", kv_cache_tokens=4096)
+    model = llm.runner.model
+    steps, forward = [], model._native_forward
+    model._native_forward = lambda batch, kv: (steps.append((batch, kv)) if batch.input_ids.shape[0] == 1 else None,
+                                               forward(batch, kv))[1]
+    try:
+        llm.generate([bd.mtbench_ids(1)[0]], SamplingParams(max_tokens=4, temperature=0))
+    finally:
+        model._native_forward = forward
+    batch, kv = steps[-1]
+    linears = [m for m in model.model.layers.modules() if isinstance(m, Linear)]
+    weights = [m.native_weight for m in linears]
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    big, x = _big_stream(mod)
+    inputs = [torch.randn(1, m.weight.shape[1]).to(torch.bfloat16) for m in linears]
+    t = {"stack": [], "products": [], "stream_gbs": []}
+    with torch.inference_mode():
+        for _ in range(60):
+            mod.skinny_linear(x, big, None, True)  # every part below starts after the same stream
+            t0 = time.perf_counter()
+            forward(batch, kv)
+            t["stack"].append(time.perf_counter() - t0)
+            mod.skinny_linear(x, big, None, True)
+            t0 = time.perf_counter()
+            for w, xi in zip(weights, inputs):
+                mod.skinny_linear(xi, w, None, False)
+            t["products"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            mod.skinny_linear(x, big, None, True)
+            t["stream_gbs"].append(big.numel() * big.element_size() / (time.perf_counter() - t0) / 1e9)
+    gbs = statistics.median(t["stream_gbs"])
+    return {"context": int(batch.positions[0]), "layer_bytes_mb": round(nbytes / 1e6, 1),
+            "stack_ms": _median_ms(t["stack"]), "products_ms": _median_ms(t["products"]),
+            "stream_gb_s": round(gbs, 1), "layer_bytes_at_stream_ms": round(1e3 * nbytes / gbs / 1e9, 3)}
+
+
+def probe_tree(mod) -> dict:
+    from engine.default_model import default_draft_path
+    from engine.sampling_params import SamplingParams
+    from engine.spec.config import SpecConfig
+    from server.llm import LLM
+    llm = LLM(None, dtype="bfloat16", spec=SpecConfig("eagle2", total_tokens=4, depth=2, top_k=2),
+              draft=default_draft_path(), kv_cache_tokens=4096, tree_budget=False)
+    head = llm.runner.drafter.head
+    calls, tree = [], head.tree
+    head.tree = lambda *a, **kw: (calls.append((a, kw)), tree(*a, **kw))[1]
+    try:
+        llm.generate([bd.mtbench_ids(1)[0]], SamplingParams(max_tokens=64, temperature=0))
+    finally:
+        head.tree = tree
+    a, kw = calls[len(calls) // 2]  # mid-generation: a full-depth round
+    big, x = _big_stream(mod)
+    nta = mod.nta_streams()
+    out = {"pending_pairs": [len(p) for p in a[0]], "depths": list(a[3])}
+    try:
+        with torch.inference_mode():
+            for name, stream in (("hot_ms", None), ("after_nta_stream_ms", True), ("after_temporal_stream_ms", False)):
+                ts = []
+                for _ in range(200):
+                    if stream is not None:
+                        mod.set_nta_streams(stream)
+                        mod.skinny_linear(x, big, None, True)
+                    t0 = time.perf_counter()
+                    tree(*a, **kw)
+                    ts.append(time.perf_counter() - t0)
+                out[name] = _median_ms(ts)
+    finally:
+        mod.set_nta_streams(nta)
+    return out
+
+
 def main() -> None:
     """Every probe runs on the engine's thread: torch ops on a second thread leave that thread's
     OpenMP team behind (bench_kernels_ab), and the engines built here decode on it."""
     from scheduler.worker import on_engine_thread
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--probes", default="dot,attention,head,argmax,stack,greedy")
+    ap.add_argument("--probes", default="dot,attention,head,argmax,stack,greedy",
+                    help="comma-separated; also roofline, tree")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "probes.json"))
     args = ap.parse_args()
     mod = kernels.native()
     if mod is None:
         sys.exit("the native kernels are unavailable on this machine")
     probes = {"dot": lambda: probe_dot(mod), "attention": lambda: probe_attention(mod),
-              "head": lambda: probe_head(mod), "argmax": probe_argmax, "stack": probe_stack, "greedy": probe_greedy}
+              "head": lambda: probe_head(mod), "argmax": probe_argmax, "stack": probe_stack, "greedy": probe_greedy,
+              "roofline": lambda: probe_roofline(mod), "tree": lambda: probe_tree(mod)}
     result = {"command": " ".join(["python"] + sys.argv), "git_head": bd.git_head(), "source_digest": bd.source_digest(),
               "cpu": bd.cpu_model(), "amx": mod.amx(), "nta_streams": mod.nta_streams(), "threads": torch.get_num_threads()}
     for name in args.probes.split(","):

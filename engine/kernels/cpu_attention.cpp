@@ -501,10 +501,11 @@ torch::Tensor argmax_rows(torch::Tensor x) {
 // Per row of logits x [R, V] float32: the k largest entries of log_softmax(x) (descending; equal
 // values by lower index) and their indices, mapped through d2t [V] where given (a reduced draft
 // vocabulary's target ids). One draft level's ranking in one call instead of log_softmax, topk and
-// an index (three ATen ops, ~35 us over 8192 logits on the 2-core CPU, against a few here): the
-// k best by one pass of 16-lane block maxima against the k-th best so far (a block rarely holds a
-// new one), then e^(x - max) summed 16 lanes at a time; values = (x - max) - log(sum), the
-// formula ATen's log_softmax uses. A row holding a NaN or an infinity takes ATen's ops instead
+// an index (three ATen ops; with the level's other trims a 4x2x2 round's draft 0.973 against
+// 1.096 ms side by side, bench/results/kernels_ab_s46_topk.json): the k best by one pass of
+// 16-lane block maxima against the k-th best so far (a block rarely holds a new one), then
+// e^(x - max) summed 16 lanes at a time; values = (x - max) - log(sum), the formula ATen's
+// log_softmax uses. A row holding a NaN or an infinity takes ATen's ops instead
 // (their ordering of NaN). Both draft paths (EagleHead.draft_topk from Python, head_level here)
 // rank through this function, so they agree.
 std::vector<torch::Tensor> topk_log_softmax(torch::Tensor x, int64_t k, torch::Tensor d2t) {
