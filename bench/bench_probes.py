@@ -196,20 +196,27 @@ def _median_ms(xs: list[float]) -> float:
     return round(1e3 * statistics.median(xs), 3)
 
 
+def _calls_during(obj, name: str, run) -> list[tuple]:
+    """The (args, kwargs) of every call of obj.<name> while run() runs (the method restored after)."""
+    calls, fn = [], getattr(obj, name)
+    setattr(obj, name, lambda *a, **kw: (calls.append((a, kw)), fn(*a, **kw))[1])
+    try:
+        run()
+    finally:
+        setattr(obj, name, fn)
+    return calls
+
+
 def probe_roofline(mod) -> dict:
     from engine.layers import Linear
     from engine.sampling_params import SamplingParams
     from server.llm import LLM
     llm = LLM(None, dtype="bfloat16", kv_cache_tokens=4096)
     model = llm.runner.model
-    steps, forward = [], model._native_forward
-    model._native_forward = lambda batch, kv: (steps.append((batch, kv)) if batch.input_ids.shape[0] == 1 else None,
-                                               forward(batch, kv))[1]
-    try:
-        llm.generate([bd.mtbench_ids(1)[0]], SamplingParams(max_tokens=4, temperature=0))
-    finally:
-        model._native_forward = forward
-    batch, kv = steps[-1]
+    forward = model._native_forward
+    calls = _calls_during(model, "_native_forward",
+                          lambda: llm.generate([bd.mtbench_ids(1)[0]], SamplingParams(max_tokens=4, temperature=0)))
+    batch, kv = [a for a, _ in calls if a[0].input_ids.shape[0] == 1][-1]  # the last one-token step
     linears = [m for m in model.model.layers.modules() if isinstance(m, Linear)]
     weights = [m.native_weight for m in linears]
     nbytes = sum(w.numel() * w.element_size() for w in weights)
@@ -244,12 +251,9 @@ def probe_tree(mod) -> dict:
     llm = LLM(None, dtype="bfloat16", spec=SpecConfig("eagle2", total_tokens=4, depth=2, top_k=2),
               draft=default_draft_path(), kv_cache_tokens=4096, tree_budget=False)
     head = llm.runner.drafter.head
-    calls, tree = [], head.tree
-    head.tree = lambda *a, **kw: (calls.append((a, kw)), tree(*a, **kw))[1]
-    try:
-        llm.generate([bd.mtbench_ids(1)[0]], SamplingParams(max_tokens=64, temperature=0))
-    finally:
-        head.tree = tree
+    tree = head.tree
+    calls = _calls_during(head, "tree",
+                          lambda: llm.generate([bd.mtbench_ids(1)[0]], SamplingParams(max_tokens=64, temperature=0)))
     a, kw = calls[len(calls) // 2]  # mid-generation: a full-depth round
     big, x = _big_stream(mod)
     nta = mod.nta_streams()

@@ -58,8 +58,9 @@ def main(argv=None) -> None:
         if not pts:
             continue
         split = args.split if args.split is not None else statistics.median(p["plain_ms_per_forward"] for p in pts)
-        slow = [p["ratio"] for p in pts if p["plain_ms_per_forward"] > split]
-        fast = [p["ratio"] for p in pts if p["plain_ms_per_forward"] <= split]
+        slow_pts = [p for p in pts if p["plain_ms_per_forward"] > split]
+        fast_pts = [p for p in pts if p["plain_ms_per_forward"] <= split]
+        slow, fast = [p["ratio"] for p in slow_pts], [p["ratio"] for p in fast_pts]
         def pooled(ps):  # ms per forward over these prompts: none's verify; the system's draft and verify
             if not ps:
                 return None
@@ -70,8 +71,7 @@ def main(argv=None) -> None:
                     "tokens_per_forward": sum(p["system"]["new_tokens"] for p in ps) / fw}
 
         entry = {"split_ms": split, "median_ratio": statistics.median(p["ratio"] for p in pts),
-                 "pooled_slow_plain": pooled([p for p in pts if p["plain_ms_per_forward"] > split]),
-                 "pooled_fast_plain": pooled([p for p in pts if p["plain_ms_per_forward"] <= split]),
+                 "pooled_slow_plain": pooled(slow_pts), "pooled_fast_plain": pooled(fast_pts),
                  "median_ratio_slow_plain": statistics.median(slow) if slow else None, "prompts_slow_plain": len(slow),
                  "median_ratio_fast_plain": statistics.median(fast) if fast else None, "prompts_fast_plain": len(fast),
                  "points": pts}

@@ -147,3 +147,16 @@ def _attention_mask(spans, n_cached, n_new, Q, L) -> np.ndarray | None:
     mask &= i < n  # padded query rows see nothing ...
     mask[:, :, 0] |= (i >= n)[:, :, 0]  # ... but key 0, so softmax stays finite
     return mask[:, None]
+
+
+def take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """t[rows]: a view where the row indices are consecutive (one sequence's rows, a prefill's,
+    a sequence's pending pairs in the head's feature cache), else a gather. (The gather, a tensor
+    from the list and an index, cost more than the row copy at decode sizes; the LM head and the
+    head take either.)"""
+    if not rows:
+        return t[:0]
+    first, n = rows[0], len(rows)
+    if rows[-1] - first == n - 1 and rows == list(range(first, first + n)):
+        return t[first:first + n]
+    return t[torch.tensor(rows, dtype=torch.long, device=t.device)]

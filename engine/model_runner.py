@@ -11,7 +11,7 @@ from engine import kernels
 from engine.attention import make_backend
 from engine.config import EngineConfig
 from engine.cuda_graphs import GraphRunner, scratch_blocks
-from engine.forward_batch import SeqSpan
+from engine.forward_batch import SeqSpan, take_rows
 from engine.kv_cache import KVCache
 from engine.layers import FAST_DTYPES
 from engine.loader import LoadedModel, load_model
@@ -300,16 +300,6 @@ class ModelRunner:
         for j, n in enumerate(nodes, 1):
             if n != j:
                 data[:, :, slot(root_pos + j)].copy_(data[:, :, slot(root_pos + n)])
-
-
-def take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """t[rows] for a non-empty list of row indices: a view where they are consecutive
-    (one sequence's rows, a prefill's), else a gather. (The gather, a tensor from the list and an
-    index, cost more than the row copy at decode sizes; the LM head and the head take either.)"""
-    first, n = rows[0], len(rows)
-    if rows[-1] - first == n - 1 and rows == list(range(first, first + n)):
-        return t[first:first + n]
-    return t[torch.tensor(rows, dtype=torch.long, device=t.device)]
 
 
 def node_rows(step: SeqStep, tree: DraftTree) -> list[SampleRow]:

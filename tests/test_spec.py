@@ -74,7 +74,7 @@ def test_compaction_moves_accepted_nodes_as_one_gather_and_scatter_would(nodes):
 
 
 def test_take_rows_views_consecutive_rows_and_gathers_the_rest():
-    from engine.model_runner import take_rows
+    from engine.forward_batch import take_rows
     t = torch.arange(40.0).view(10, 4)
     for rows in ([3], [3, 4], [2, 3, 4, 5], [4, 3], [1, 0, 2], [0, 2], [5, 1, 2, 3], [0, 2, 1, 3]):
         got = take_rows(t, rows)

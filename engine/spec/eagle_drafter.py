@@ -26,7 +26,7 @@ import torch
 
 from engine import hugepages
 from engine.attention import make_backend
-from engine.forward_batch import SeqSpan, build_forward_batch
+from engine.forward_batch import SeqSpan, build_forward_batch, take_rows
 from engine.kv_cache import KVCache
 from engine.models.llama import LlamaForCausalLM
 from engine.spec.config import SpecConfig
@@ -154,11 +154,9 @@ class EagleDrafter(Drafter):
         written = self.head_written
         for x in slots:
             written[x] = 1
-        if slots and slots[-1] - slots[0] == len(slots) - 1 and slots == list(range(slots[0], slots[-1] + 1)):
-            # consecutive (one sequence's pairs within a block, most rounds): a view of the rows,
-            # not an index tensor and a gather (the head reads them before the cache is written again)
-            return self.features[slots[0]:slots[-1] + 1]
-        return self.features[torch.tensor(slots, dtype=torch.long, device=self.device)]
+        # consecutive slots (one sequence's pairs within a block, most rounds) as a view: the head
+        # reads them before the cache is written again
+        return take_rows(self.features, slots)
 
     def backlog(self, seq_id: int) -> int:
         state = self.states.get(seq_id)
