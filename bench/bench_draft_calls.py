@@ -8,8 +8,12 @@ head, the drafter's propose, and on the per-level path each EagleHead.level call
 runs a second time at once with the same inputs (it rewrites the same draft KV) to time it with
 its weights cached ("hot") against as the round found them ("cold"); the enclosing timings
 leave those repeats out, the tok/s do not (compare tok/s between the native rows and none).
+With --draft-only each tree also runs as "<tree>-draftonly": the native draft tree is grown every
+round as usual and then thrown away, the target verifying the root alone (a plain step), which
+separates what the tree's extra rows cost the verify from what drafting does to the step after
+it (the target's stack timed after a draft, against none's).
 
-    .venv/bin/python bench/bench_draft_calls.py [--trees 4x2x2,7x3x3] [--prompts 10]
+    .venv/bin/python bench/bench_draft_calls.py [--trees 4x2x2,7x3x3] [--prompts 10] [--draft-only]
 Writes --out (bench/results/draft_calls.json): per system the median ms of each call (level
 calls by row count) and tok/s.
 """
@@ -29,6 +33,7 @@ import bench_decode as bd  # noqa: E402  (puts the project root on sys.path)
 
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.spec.config import SpecConfig  # noqa: E402
+from engine.spec.tree import root_only  # noqa: E402
 from server.llm import LLM  # noqa: E402
 
 HEAD = os.path.join(os.path.dirname(HERE), "engine", "heads", "smollm2-135m-instruct")
@@ -61,19 +66,37 @@ def level_timer(times: dict, fn, repeats: list[float]):
     return wrapper
 
 
+def discard_trees(drafter) -> None:
+    """drafter.propose grows its trees as usual (head KV, pending pairs consumed, confidences
+    kept) and hands back the root alone: the target verifies a plain step. Accepting nothing,
+    the round feeds the head the root's pair as a plain step does."""
+    propose = drafter.propose
+
+    def root_only_propose(steps, max_depths):
+        propose(steps, max_depths)
+        for s in steps:
+            drafter.confidence(s.seq_id)  # no tree reached the target: no confidences either
+        return [root_only(s.token_ids[-1]) for s in steps]
+    drafter.propose = root_only_propose
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trees", default="4x2x2,7x3x3", help="total_tokens x depth x top_k, comma-separated")
     ap.add_argument("--prompts", type=int, default=10)
+    ap.add_argument("--draft-only", action="store_true",
+                    help="also run each tree drafted every round but verified as the root alone")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "draft_calls.json"))
     args = ap.parse_args()
     systems = {"none": LLM(None, dtype="bfloat16", spec=SpecConfig("none"), kv_cache_tokens=4096, tree_budget=False)}
     for tree in args.trees.split(","):
         t, d, k = (int(x) for x in tree.split("x"))
-        for mode in ("native", "pylevels"):
+        for mode in ("native", "pylevels") + (("draftonly",) if args.draft_only else ()):
             llm = LLM(None, dtype="bfloat16", spec=SpecConfig("eagle2", total_tokens=t, depth=d, top_k=k),
                       draft=HEAD, kv_cache_tokens=4096, tree_budget=False)
-            llm.runner.drafter.native_tree = mode == "native"
+            llm.runner.drafter.native_tree = mode != "pylevels"
+            if mode == "draftonly":
+                discard_trees(llm.runner.drafter)
             systems[f"{tree}-{mode}"] = llm
     params = SamplingParams(max_tokens=128, temperature=0)
     prompts = bd.mtbench_ids(args.prompts + 1)
