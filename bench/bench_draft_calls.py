@@ -67,15 +67,16 @@ def level_timer(times: dict, fn, repeats: list[float]):
 
 
 def discard_trees(drafter) -> None:
-    """drafter.propose grows its trees as usual (head KV, pending pairs consumed, confidences
-    kept) and hands back the root alone: the target verifies a plain step. Accepting nothing,
-    the round feeds the head the root's pair as a plain step does."""
+    """drafter.propose grows its trees as usual (head KV written, pending pairs consumed) and
+    hands back the root alone: the target verifies a plain step, and the trees' confidences are
+    dropped (no tree reached it). Accepting nothing, the round feeds the head the root's pair as
+    a plain step does."""
     propose = drafter.propose
 
     def root_only_propose(steps, max_depths):
         propose(steps, max_depths)
         for s in steps:
-            drafter.confidence(s.seq_id)  # no tree reached the target: no confidences either
+            drafter.confidence(s.seq_id)
         return [root_only(s.token_ids[-1]) for s in steps]
     drafter.propose = root_only_propose
 
