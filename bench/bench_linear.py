@@ -64,9 +64,9 @@ def measure(dtype: torch.dtype, rows: list[int], reps: int, layers: int = 30, he
     results = []
     for m in rows:
         xs = {k: torch.randn(m, k).to(dtype) for k in {w.shape[1] for w in ws}}
+        flops = 2 * m * nbytes / ws[0].element_size()  # a multiply-add per weight and row
         for name, fn in paths(ws).items():
             s = timed(lambda: [fn(xs[w.shape[1]], i) for i, w in enumerate(ws)], reps)
-            flops = 2 * m * nbytes / ws[0].element_size()
             results.append({"dtype": str(dtype).removeprefix("torch."), "rows": m, "path": name,
                             "ms": round(s * 1e3, 3), "GB_per_s": round(nbytes / s / 1e9, 1),
                             "GFLOP_per_s": round(flops / s / 1e9, 1)})

@@ -555,7 +555,7 @@ std::vector<torch::Tensor> topk_log_softmax(torch::Tensor x, int64_t k, torch::T
         if (!std::isfinite(row[j])) ok = false;
         offer(row[j], j);
       }
-      if (!ok || n < k) {
+      if (!ok) {  // (n == k here: every entry was offered and k <= V)
         odd[r] = 1;
         continue;
       }
