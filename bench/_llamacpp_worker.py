@@ -3,7 +3,7 @@
 
 Runs in llama-cpp-python's own venv, so the benchmark can alternate prompts between systems:
 
-    /tmp/peers/llamacpp/bin/python bench/_llamacpp_worker.py MODEL.gguf [--threads 2]
+    $LLAMACPP_PYTHON bench/_llamacpp_worker.py MODEL.gguf [--threads 2]
 
 Protocol, one JSON object per line. The worker first writes
     {"ready": true, "version": ..., "system_info": ...}

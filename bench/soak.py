@@ -36,7 +36,7 @@ sys.path.insert(0, ROOT)
 
 import httpx2 as httpx  # noqa: E402
 
-from server.metrics import parse_metrics  # noqa: E402
+from eagle_serve.server.metrics import parse_metrics  # noqa: E402
 
 KINDS = (("chat_stream", 35), ("completion", 20), ("chat_n2", 10), ("logprobs", 10), ("dropped_stream", 10),
          ("bad_request", 15))
@@ -214,7 +214,7 @@ def main(argv=None) -> int:
     ap.add_argument("serve_args", nargs=argparse.REMAINDER,
                     help="flags for `eagle-serve serve` after --, e.g. -- --model DIR --spec none")
     args = ap.parse_args(argv)
-    from server.process import ServerProcess
+    from eagle_serve.server.process import ServerProcess
     serve_args = [a for a in args.serve_args if a != "--"] or ["--log-level", "warning"]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     server = ServerProcess(serve_args, args.out.replace(".json", ".server.log"))

@@ -1,42 +1,29 @@
-"""Attention backends: one interface, chosen at start-up.
-
-Contract: `forward(q, k, v, layer, batch, kv)` first writes this forward's new keys and values
-into the cache at `batch.slot_mapping`, then returns attention of every query over its
-sequence's keys as allowed by the batch's mask, packed back to [T, num_heads * head_dim].
+"""Attention backends: one interface (`AttentionBackend`, engine/attention_base.py), chosen at
+start-up.
 
 Backends: `torch` (reference, any device), `native` (CPU kernels), `flash` (flash-attn 2 on
 CUDA, engine/flash_attention.py). `make_backend` picks one from `EngineConfig.attention`.
 """
 from __future__ import annotations
 
-import abc
 import logging
 
 import torch
 import torch.nn.functional as F
 
-from engine.config import ATTENTIONS
-from engine.forward_batch import ForwardBatch
-from engine.kv_cache import KVCache
+from eagle_serve.engine import kernels
+from eagle_serve.engine.attention_base import AttentionBackend
+from eagle_serve.engine.config import ATTENTIONS
+from eagle_serve.engine.flash_attention import FlashAttention
+from eagle_serve.engine.layers import FAST_DTYPES
 
 log = logging.getLogger(__name__)
 
 
-class AttentionBackend(abc.ABC):
-    name: str
-
-    @abc.abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H * D]."""
-
-
 def cuda_sdpa_backends():
     """The SDPA kernels the torch backend allows on CUDA: flash, memory-efficient and math, not
-    cuDNN. cuDNN's attention builds and caches an execution plan per input shape; the eager
-    forward's key length grows by one or more tokens every round, so every round was a new
-    shape. bench/gpu_check.py (H200, torch 2.11): eager decode of a SmolLM2-135M-shaped model at
-    61 ms per round where the same rounds on shapes already seen took 16 ms."""
+    cuDNN. cuDNN's attention builds an execution plan per input shape, and the eager forward's
+    key length grows every round, so every round would pay for a new plan (bench/gpu_check.py)."""
     from torch.nn.attention import SDPBackend
     return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
@@ -153,10 +140,8 @@ def make_backend(scale: float, device: torch.device, dtype: torch.dtype, attenti
     """The attention backend for `attention` (one of ATTENTIONS) on `device` / `dtype`.
 
     auto: on CUDA, `flash` when flash-attn imports and the dtype is float16/bfloat16, else the
-    torch backend, whose masked SDPA runs on any device (FlexAttention was not adopted: tree
-    masks change shape every round, and a block mask built per batch or a compile per shape is
-    a cost nobody has measured against SDPA here, so it stays out until a GPU benchmark says
-    otherwise); on the CPU, `native` where its kernels build (AVX-512 with bf16, dtype float32
+    torch backend, whose masked SDPA runs on any device (not FlexAttention: tree masks change
+    shape every round, which would cost a block mask per batch or a compile per shape); on the CPU, `native` where its kernels build (AVX-512 with bf16, dtype float32
     or bfloat16), else torch.
     Explicit choices that cannot run raise ValueError with the reason: `flash` without
     flash-attn, on the CPU (unless a test installed a stand-in module marked `__standin__`), or
@@ -188,8 +173,6 @@ def make_backend(scale: float, device: torch.device, dtype: torch.dtype, attenti
 
 
 def _native_kernels(dtype: torch.dtype):
-    from engine import kernels
-    from engine.layers import FAST_DTYPES
     return kernels.native() if dtype in FAST_DTYPES else None
 
 
@@ -205,5 +188,4 @@ def _flash_backend(scale: float, device: torch.device, dtype: torch.dtype) -> At
     if dtype not in FLASH_DTYPES and not (standin and getattr(flash_attn, "allow_full_precision", False)):
         raise ValueError(f"--attention flash computes in float16 or bfloat16, not {str(dtype).removeprefix('torch.')} "
                          f"(use --dtype bfloat16, or --attention torch)")
-    from engine.flash_attention import FlashAttention
     return FlashAttention(scale, flash_attn)

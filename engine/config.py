@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.spec.config import SpecConfig
+from eagle_serve.engine.speculative.config import SpecConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 DEVICES = ("auto", "cpu", "cuda")

@@ -44,8 +44,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionBackend, TorchAttention
-from engine.forward_batch import ForwardBatch, SeqSpan, build_forward_batch
+from eagle_serve.engine.attention import AttentionBackend, TorchAttention
+from eagle_serve.engine.forward_batch import ForwardBatch, SeqSpan, build_forward_batch
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionBackend
+from eagle_serve.engine.attention_base import AttentionBackend
 
 PAGE_MULTIPLE = 256  # flash-attn 2: "Paged KV cache block size must be divisible by 256"
 MAX_HEAD_DIM = 256

@@ -50,8 +50,8 @@ class ForwardBatch:
     # prompt chunk takes the kernels its whole prompt would (the attention and the forward's
     # linears pick by row count as if the chunk were that long). A prompt's KV must not depend
     # on how much of it a prefix-cache hit left to compute: the few-row native kernels round
-    # bf16 differently from oneDNN's GEMM and SDPA, and a greedy rerun of a cached prompt
-    # parted from the first run (bench/bench_rerun.py). CPU only: CUDA graphs pick buckets by
+    # bf16 differently from oneDNN's GEMM and SDPA, and a greedy rerun of a cached prompt must
+    # match its first run. CPU only: CUDA graphs pick buckets by
     # the rows (engine/cuda_graphs.py), so there a cached prompt's tail may still round apart
     prompt_lens: tuple[int, ...] = ()
 
@@ -72,7 +72,7 @@ _NO_MASK = torch.empty(0, dtype=torch.bool)
 
 def build_forward_batch(spans: list[SeqSpan], block_size: int, device: torch.device) -> ForwardBatch:
     # Index arithmetic in numpy, one tensor per field at the end: at decode sizes the per-op cost
-    # of torch calls, not the arithmetic, was the build's time (78 -> 39 us for a 4-token tree at one sequence: bench/bench_small_ops.py).
+    # of torch calls, not the arithmetic, dominates the build.
     n_new = np.fromiter((len(s.token_ids) for s in spans), np.int64, len(spans))
     n_cached = np.fromiter((s.num_cached for s in spans), np.int64, len(spans))
     kv_lens = n_cached + n_new
@@ -127,7 +127,7 @@ def _native_build():
     or None without them. EAGLE_SERVE_NATIVE_BATCH=0 keeps the numpy path (tests compare both)."""
     if os.environ.get("EAGLE_SERVE_NATIVE_BATCH", "1") == "0":
         return None
-    from engine import kernels
+    from eagle_serve.engine import kernels
     return getattr(kernels.native(), "build_batch", None)
 
 

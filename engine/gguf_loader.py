@@ -13,7 +13,8 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from engine.model_config import ModelConfig, UnsupportedModel
+from eagle_serve.engine.model_config import ModelConfig, UnsupportedModel
+from eagle_serve.engine.model_files import ModelLoadError
 
 LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -29,7 +30,6 @@ def _reader(path: str):
     try:
         return gguf.GGUFReader(path)
     except (ValueError, TypeError, IndexError, KeyError, OSError) as e:  # a truncated or corrupt file
-        from engine.loader import ModelLoadError
         raise ModelLoadError(f"{path}: not a readable GGUF file, truncated or corrupt ({e})") from None
 
 
@@ -49,7 +49,7 @@ def gguf_config(reader, path: str) -> dict:
     for key, v in (("attention.head_count", heads), ("embedding_length", hidden),
                    ("block_count", _field(reader, p + "block_count")),
                    ("feed_forward_length", _field(reader, p + "feed_forward_length"))):
-        if v is None:  # (was a TypeError or KeyError traceback further on)
+        if v is None:  # named here, not a traceback further on
             raise UnsupportedModel(f"{path}: GGUF metadata lacks llama.{key}")
     if _field(reader, p + "expert_count"):
         raise UnsupportedModel(f"{path}: mixture-of-experts GGUF models are not supported")
@@ -58,7 +58,7 @@ def gguf_config(reader, path: str) -> dict:
     if vocab is None:
         raise UnsupportedModel(f"{path}: GGUF metadata gives no vocabulary size (llama.vocab_size or tokenizer.ggml.tokens)")
     names = {t.name for t in reader.tensors}
-    for t in reader.tensors:  # every tensor is one this loader reads (others were skipped, or a KeyError)
+    for t in reader.tensors:  # every tensor is one this loader reads (an unknown one is an error)
         base, _, _ = t.name.rpartition(".")
         parts = base.split(".")
         known = (parts[0] == "blk" and len(parts) == 3 and parts[2] in LAYER_NAMES) or base in TOP_NAMES \
@@ -91,7 +91,7 @@ def gguf_config(reader, path: str) -> dict:
     if _field(reader, p + "rope.scaling.type") not in (None, "none"):
         raise UnsupportedModel(f"{path}: GGUF rope scaling is not supported")
     # llama.cpp writes Llama 3.1's RoPE scaling as a tensor of per-frequency factors (no
-    # rope.scaling.* keys); left out, the model ran unscaled RoPE and its logits were wrong
+    # rope.scaling.* keys); left out, the model would run unscaled RoPE and its logits be wrong
     freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if freqs is not None:
         factors = [float(x) for x in np.array(freqs.data, dtype=np.float32).reshape(-1)]
@@ -121,7 +121,7 @@ def gguf_tensors(reader, cfg: dict, path: str = "GGUF") -> Iterator[tuple[str, t
             continue  # rope_freqs: read into the config's rope scaling (gguf_config)
         try:
             w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))  # own, writable copy
-        except NotImplementedError:  # a type the gguf package cannot unpack (was its traceback)
+        except NotImplementedError:  # a type the gguf package cannot unpack: named, not its traceback
             raise UnsupportedModel(f"{path}: GGUF tensor {t.name!r} has type {t.tensor_type.name}, which the gguf "
                                    f"package cannot dequantize") from None
         if name.endswith("q_proj.weight"):

@@ -52,7 +52,7 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, elemen
                        draft_layers: int = 0, draft_feature_width: int = 0) -> int:
     """K and V of every target layer, plus the EAGLE head's own one-layer cache when it drafts
     (it has as many blocks as the target's and, as every EAGLE head, the target's KV shape) and
-    its feature cache (`draft_feature_width` values a slot: engine.spec.eagle_drafter)."""
+    its feature cache (`draft_feature_width` values a slot: engine.speculative.eagle_drafter)."""
     return (2 * (num_layers + draft_layers) * num_kv_heads * head_dim + draft_feature_width) * element_size
 
 
@@ -61,8 +61,8 @@ def draft_feature_width(config, hidden_size: int) -> int:
     hidden size, times 1 + the head's fused layers (its config.json's aux_layers)."""
     if not (config.spec.uses_head and config.draft):
         return 0
-    from engine.spec.eagle_drafter import feature_width
-    from engine.spec.eagle_head import head_aux_layers
+    from eagle_serve.engine.speculative.eagle_drafter import feature_width
+    from eagle_serve.engine.speculative.eagle_head import head_aux_layers
     return feature_width(hidden_size, head_aux_layers(config.draft))
 
 
@@ -91,9 +91,9 @@ def graph_reserve_bytes(batch: int, tokens: int, kv_len: int, num_heads: int, nu
 def profile_in_use(runner) -> tuple[int, int]:
     """(total device bytes, bytes in use) after the weights and one profiling forward of the
     largest step (module doc). Runs before the KV cache exists, with a temporary one."""
-    from engine.attention import TorchAttention
-    from engine.forward_batch import SeqSpan, build_forward_batch
-    from engine.kv_cache import KVCache
+    from eagle_serve.engine.attention import TorchAttention
+    from eagle_serve.engine.forward_batch import SeqSpan, build_forward_batch
+    from eagle_serve.engine.kv_cache import KVCache
 
     c, m, dev = runner.config, runner.loaded.config, runner.device
     bs = c.block_size
@@ -127,7 +127,7 @@ def profile_in_use(runner) -> tuple[int, int]:
 
 def cuda_kv_cache_tokens(runner) -> int:
     """KV tokens for a CUDA runner with `kv_cache_tokens` None (whole blocks' worth)."""
-    from engine.cuda_graphs import default_buckets, graphs_enabled
+    from eagle_serve.engine.cuda_graphs import default_buckets, graphs_enabled
 
     c, m = runner.config, runner.loaded.config
     elt = runner.dtype.itemsize

@@ -2,8 +2,7 @@
 
 A decode step reads every weight once (about 270 MB for the default model in bf16). In 4 KiB
 pages that is ~66,000 pages a step, far past any TLB, so the stream pays a page walk every 4
-KiB, and hardware prefetchers commonly stop at 4 KiB page boundaries (the mechanism is the usual
-one, not measured here; the speed difference is: bench/bench_hugepages.py). Linux backs an
+KiB, and hardware prefetchers commonly stop at 4 KiB page boundaries. Linux backs an
 anonymous mapping with 2 MiB pages where the mapping asks for it (`madvise(MADV_HUGEPAGE)`, in
 the `madvise` mode many distributions default to) or where the system says `always`. PyTorch's CPU allocator asks only when the
 process starts with THP_MEM_ALLOC_ENABLE=1, which a library cannot count on, so the engine
@@ -11,8 +10,7 @@ allocates these tensors itself: `empty(nbytes)` maps fresh memory aligned to 2 M
 it before anything touches it, and `arena(tensors)` moves many small tensors (a model's packed
 weights, 0.2-1.8 MB each, too small for a huge page on their own) into one such buffer as
 views. Where the kernel offers no huge pages (`never`, not Linux) the same calls fall back to
-ordinary allocations: the numbers are the same either way, only the speed differs
-(`bench/bench_hugepages.py` measures it).
+ordinary allocations: the numbers are the same either way, only the speed differs.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from engine import hugepages
+from eagle_serve.engine import hugepages
 
 
 class KVCache:

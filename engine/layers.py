@@ -7,46 +7,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import hugepages, kernels
+from eagle_serve.engine import hugepages, kernels
 
 
 FAST_DTYPES = (torch.float32, torch.bfloat16)
-# Up to how many input rows the native kernels take a linear (and the fused decode stack a
-# whole forward), by weight layout; more rows go to oneDNN. Measured (bench/bench_linear.py, the
-# default model's shapes, bf16, 2 cores): the packed bf16 layout reads the weights once for up to
-# 8 rows and needs no horizontal sums, 8.7 ms for 8 rows against oneDNN's 13.6 and 14.8 against
-# 18.6 ms at 16; end to end (bench/bench_verify_cost.py) a 16-token verify takes 25.9 ms in
-# the stack against 32.9 ms per-op with oneDNN. The row layout (float32, or shapes that cannot be packed) wins only up to 4 rows.
-# With AMX tiles (Intel Xeons, engine/kernels/cpu_gemv.cpp) the packed layout keeps its pace
-# further: 24 / 32 rows in 13.9 / 13.3 ms against oneDNN's 18.4 / 19.2, one row 10.5 ms
-# (bench/bench_linear.py on a 2-core Xeon, bench/results/linear_xeon_amx.json).
-# On AMD CPUs with the AVX-512 build (VDPBF16PS at full rate, no AMX) the packed loop stays
-# ahead of oneDNN's bf16 GEMM to about 96 rows: over the same shapes on a 2-core Zen 4 EPYC
-# (bench/bench_linear.py --dtypes bfloat16, bench/results/linear_s40_zen4.json and
-# linear_s40_zen4_wide.json) 24 / 32 / 48 / 64 / 96 rows 14.4 / 16.6 / 22.5 / 30.1 / 44.6 ms
-# against 17.2 / 22.2 / 28.9 / 34.2 / 49.7, 128 rows 59.3 against 55.1. There the linears, and
-# so the fused stack, take up to 64 rows (the native attention's most queries): batched plain
-# decoding 1.71x / 1.75x at 24 / 32 sequences side by side (bench/bench_wide_rows.py,
-# bench/results/wide_rows_s40_zen4_none.json). Batches holding prompt tokens keep 16
-# (Linear.prompt_max_rows): a cached prefix's KV must not depend on which prompt computed it.
+# Up to how many input rows the native kernels take a linear (and the fused decode stack a whole
+# forward), by weight layout; more rows go to oneDNN, which wins once the weights are no longer the
+# bottleneck. Packed bf16 reads the weights once for all rows; AMX tiles and AMD's AVX-512 build keep
+# that lead further. Picked by bench/bench_linear.py.
 PACKED_MAX_ROWS = 16
 AMX_PACKED_MAX_ROWS = 32
-WIDE_PACKED_MAX_ROWS = 64
-ROW_LAYOUT_MAX_ROWS = 4
+WIDE_PACKED_MAX_ROWS = 64  # the native attention's most queries; prompt batches keep 16 (Linear.prompt_max_rows)
+ROW_LAYOUT_MAX_ROWS = 4  # float32, or shapes that cannot be packed
 SKINNY_MAX_ROWS = PACKED_MAX_ROWS  # the most rows the native paths take on every CPU they run on
-# Up to how many rows a draft head's int8 weights (Linear.quantize_int8) take an input. The int8
-# loop widens every weight to float32 and does one FMA a weight and row, so past a few rows it is
-# compute-bound where packed bf16 (AMX) is not: the head's seven products on a 2-core Xeon right
-# after a 400 MB stream (bench/bench_probes.py --probes head, bench/results/probes_s36_xeon_head.json)
-# 0.44 / 0.47 / 0.53 ms int8 against 0.61 / 0.60 / 0.62 bf16 at 1 / 2 / 4 rows, 0.76 against 0.68
-# at 6, 1.50 against 0.77 at 16.
+# Up to how many rows a draft head's int8 weights take an input: the int8 loop does one FMA a weight
+# and row, so past a few rows it is compute-bound where packed bf16 is not (bench/bench_spec.py
+# --draft-quantization measures the draft both ways).
 INT8_MAX_ROWS = 4
-# The same for int8 weights packed for int8 inputs (VNNI dot products, draft_quantization w8a8):
-# four inputs and sixteen outputs an instruction keep them ahead of bf16 at every row count
-# measured, the head's seven products hot 0.28 / 0.61 ms at 6 / 16 rows against 0.33 / 0.83 in
-# bf16, right after a 400 MB stream 0.47 / 0.78 against 0.57 / 1.06 (bench/bench_probes.py --probes
-# head on a Zen 4, bench/results/probes_s42_zen4_head.json): a draft level of several sequences
-# and a short catch-up take them too
+# The same for int8 weights packed for int8 inputs (VNNI, draft_quantization w8a8): four inputs an
+# instruction keep them ahead of bf16 up to a draft level of several sequences (bench/bench_spec.py
+# --draft-quantization w8a8 --compare-quantization int8).
 W8A8_MAX_ROWS = 16
 
 
@@ -124,10 +104,8 @@ class Linear(nn.Module):
             self.prompt_max_rows = packed_max_rows(w.shape[1], wide=False)
         if _onednn_ok(w.dtype):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w.data, 1)
-        # Without oneDNN's bf16 GEMM (AVX2-only CPUs) F.linear in bf16 took 3.0 / 4.6 / 6.0x oneDNN's
-        # float32 time for 17 / 64 / 256 rows, the packed kernel 0.56 / 0.80 / 1.02x (bench/bench_linear.py
-        # on a Zen 3 EPYC, bench/results/linear_zen3.json): it takes every row count there (packed
-        # weights only: the row layout, and F.linear without native kernels, keep their limits)
+        # without oneDNN's bf16 GEMM (AVX2-only CPUs) torch's bf16 F.linear is emulated and slower than
+        # the packed kernel at any row count, so that kernel takes them all (bench/bench_linear.py)
         self.native_all_rows = packed and self._packed is None
         return self._skinny is not None or self._packed is not None
 
@@ -176,8 +154,8 @@ class Linear(nn.Module):
 
 def weights_to_arena(linears: list["Linear"]) -> int:
     """Move the prepacked native weights (and int8 weights) of `linears` into one huge-page arena
-    (engine.hugepages): a decode step streams them all, about 66,000 pages a step in 4 KiB pages
-    (`bench/bench_hugepages.py` measures the difference). Call after prepack / quantize_int8 and before a
+    (engine.hugepages): a decode step streams them all, about 66,000 pages a step in 4 KiB pages.
+    Call after prepack / quantize_int8 and before a
     native stack takes the tensors. Weights that are the module's own `weight` (the row layout)
     stay where they are. Returns the bytes moved."""
     if not hugepages.enabled():
@@ -198,13 +176,10 @@ def onednn_rows(rows: int) -> int:
     """The row count a oneDNN product of `rows` rows runs at where its Linear has bucket_rows
     (a draft head's: EagleHead.prepack): rounded up to a multiple of 16 (of 64 past 256 rows,
     of 256 past 1024). oneDNN builds a kernel for every new shape, and a head meets a new row
-    count with nearly every catch-up (a new prompt's pairs, a backlog): a new shape cost 0.6-1.0
-    ms more than a cached one per product on the 2-core Zen 4 (bf16 [M, 576] x [576, 1536] for
-    M 37-300: 2.01 against 0.96 ms on average), 16 more rows 0.04-0.07 ms, and a catch-up of
-    one sequence's 50 / 128 / 200 pairs took 4.1 / 8.6 / 11.4 ms with the buckets against 7.4 /
-    13.4 / 15.5 without (`bench/bench_head_catchup.py --fresh-shapes`). The target keeps exact
+    count with nearly every catch-up (a new prompt's pairs, a backlog); a new shape costs more
+    than the padded rows. The target keeps exact
     row counts: its forward builds a shape once for all its layers and would pad every one of
-    them (its prompt forwards ran 3-17% slower with the buckets there). A row's result does not
+    them. A row's result does not
     depend on the rows beside it (tests/test_kernels.py checks it on the machine that runs the
     tests), so the padding changes no output."""
     step = 16 if rows <= 256 else 64 if rows <= 1024 else 256

@@ -6,7 +6,6 @@ into this engine's layout and checks that every parameter was filled exactly onc
 from __future__ import annotations
 
 import glob
-import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -14,16 +13,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.default_model import cache_dir, default_model_path
-from engine.model_config import ModelConfig
-from engine.models.llama import LlamaForCausalLM
+from eagle_serve.engine.default_model import MODEL_NAME, cache_dir, default_model_path
+from eagle_serve.engine.gguf_loader import gguf_tokenizer_dir, load_gguf
+from eagle_serve.engine.model_config import ModelConfig
+from eagle_serve.engine.model_files import ModelLoadError, read_json
+from eagle_serve.engine.models.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
-    from engine.tokenizer import Tokenizer
-
-
-class ModelLoadError(ValueError):
-    pass
+    from eagle_serve.engine.tokenizer import Tokenizer
 
 
 @dataclass
@@ -51,7 +48,6 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     if os.path.isdir(path):
         cfg, raw, tensors, tok_dir = _hf_source(path)
     elif path.endswith(".gguf"):
-        from engine.gguf_loader import gguf_tokenizer_dir, load_gguf
         cfg, raw, tensors = load_gguf(path)
         tok_dir = None if skip_tokenizer else gguf_tokenizer_dir(path, cache_dir())
     else:
@@ -61,12 +57,11 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     net.to(device)
     tokenizer = None
     if not skip_tokenizer:  # imported here: the engine itself runs without jinja2 / tokenizers
-        from engine.tokenizer import Tokenizer
+        from eagle_serve.engine.tokenizer import Tokenizer
         tokenizer = Tokenizer.from_dir(tok_dir)
     eos = _eos_ids(raw, path if os.path.isdir(path) else None, tokenizer)
     name = os.path.basename(os.path.normpath(path))
     if model in (None, "", "default"):
-        from engine.default_model import MODEL_NAME
         name = MODEL_NAME
     return LoadedModel(net.eval(), cfg, tokenizer, eos, name, path)
 
@@ -78,7 +73,7 @@ def _hf_source(path: str):
     raw = read_json(cfg_file)
     cfg = ModelConfig.from_hf(raw, cfg_file)
     quant = raw.get("quantization_config")
-    if quant:  # its weights are not plain tensors of the config's shapes (fp8 / int ones were cast as if)
+    if quant:  # its weights are not plain tensors of the config's shapes (fp8 / int ones would be cast as if)
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
         raise ModelLoadError(f"{cfg_file}: quantized checkpoints (quant_method {method!r}) are not supported; "
                              f"use an unquantized one or a GGUF file")
@@ -108,15 +103,6 @@ def _weight_files(path: str) -> list[str]:
             raise ModelLoadError(f"{index} names shard files that are not there: {', '.join(gone[:4])}")
         return files
     return sorted(glob.glob(os.path.join(path, "*.safetensors")))
-
-
-def read_json(file: str):
-    """A config file's JSON; malformed is a ModelLoadError naming the file, not a traceback."""
-    try:
-        with open(file, encoding="utf-8") as f:
-            return json.load(f)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"{file}: not valid JSON ({e})") from None
 
 
 def _safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -184,7 +170,7 @@ def _eos_ids(raw: dict, hf_dir: str | None, tokenizer: Tokenizer | None) -> froz
     add(raw.get("eos_token_id"))
     gen_file = os.path.join(hf_dir, "generation_config.json") if hf_dir else None
     if gen_file and os.path.exists(gen_file):
-        gen = read_json(gen_file)  # (malformed: named; a list was an AttributeError traceback)
+        gen = read_json(gen_file)  # malformed or not an object: an error naming the file
         if not isinstance(gen, dict):
             raise ModelLoadError(f"{gen_file}: not a JSON object")
         add(gen.get("eos_token_id"))

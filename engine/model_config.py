@@ -46,8 +46,8 @@ class ModelConfig:
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise UnsupportedModel(f"rope scaling type {rope_type!r} is not supported "
                                    f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
-        # the fields each type reads (a missing one was a KeyError deep in the rotary table, a
-        # factor of 0 a table of NaNs and garbage output)
+        # the fields each type reads, checked here: a missing one would fail deep in the rotary
+        # table, a factor of 0 would fill it with NaNs
         need = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                                                    "original_max_position_embeddings")}.get(rope_type, ())
         for key in need:
@@ -122,7 +122,7 @@ class ModelConfig:
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
         # transformers' order: a config's rope_scaling over its rope_parameters (v5 writes the
-        # latter; a user's added rope_scaling was ignored here and applied there)
+        # latter; a rope_scaling a user adds must apply here as it does there)
         rope = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
         if "type" in rope and "rope_type" not in rope:
             rope["rope_type"] = rope.pop("type")

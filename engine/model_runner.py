@@ -7,20 +7,20 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import kernels
-from engine.attention import make_backend
-from engine.config import EngineConfig
-from engine.cuda_graphs import GraphRunner, scratch_blocks
-from engine.forward_batch import SeqSpan, take_rows
-from engine.kv_cache import KVCache
-from engine.layers import FAST_DTYPES
-from engine.loader import LoadedModel, load_model
-from engine.sampler import Picks, PicksView, SampleRow
-from engine.spec.accept import walk
-from engine.spec.config import SpecConfig
-from engine.spec.drafters import Drafter, NgramDrafter, NoDrafter
-from engine.spec.tree import DraftTree, root_only
-from engine.step_io import SeqResult, SeqStep
+from eagle_serve.engine import kernels
+from eagle_serve.engine.attention import make_backend
+from eagle_serve.engine.config import EngineConfig
+from eagle_serve.engine.cuda_graphs import GraphRunner, scratch_blocks
+from eagle_serve.engine.forward_batch import SeqSpan, take_rows
+from eagle_serve.engine.kv_cache import KVCache
+from eagle_serve.engine.layers import FAST_DTYPES
+from eagle_serve.engine.loader import LoadedModel, load_model
+from eagle_serve.engine.sampler import Picks, PicksView, SampleRow
+from eagle_serve.engine.speculative.accept import walk
+from eagle_serve.engine.speculative.config import SpecConfig
+from eagle_serve.engine.speculative.drafters import Drafter, NgramDrafter, NoDrafter
+from eagle_serve.engine.speculative.tree import DraftTree, root_only
+from eagle_serve.engine.step_io import SeqResult, SeqStep
 
 
 @dataclass
@@ -53,12 +53,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         return getattr(torch, name)
     if device.type == "cuda":
         return torch.bfloat16
-    # Measured (bench/bench_decode.py): with native bf16 dot products, bf16 halves the bytes
-    # read per token and decodes ~2x faster than float32. Without them (AVX2-only CPUs) the native
-    # kernels' AVX2 build still reads bf16 weights at half the bytes, converting them in registers
-    # (bench/bench_isa.py on a Zen 3 EPYC, bench/results/isa_zen3.json: plain decoding 1.6x its
-    # float32, 3.3x float32 without native kernels); with neither, torch's bf16 is emulated.
-    from engine import kernels
+    # bf16 halves the bytes read per token; it pays with native bf16 dot products or the native
+    # kernels' AVX2 build (bf16 converted in registers), and with neither torch's bf16 is emulated
+    # (bench/bench_decode.py).
     fast = torch.ops.mkldnn._is_mkldnn_bf16_supported() or kernels.native() is not None
     return torch.bfloat16 if fast else torch.float32
 
@@ -102,10 +99,10 @@ class ModelRunner:
         tokens = c.kv_cache_tokens
         if tokens is None:
             if self.device.type == "cuda":  # gpu_memory_utilization of the GPU, after weights and activations
-                from engine.gpu_memory import cuda_kv_cache_tokens
+                from eagle_serve.engine.gpu_memory import cuda_kv_cache_tokens
                 budget = cuda_kv_cache_tokens(self)
             else:
-                from engine.gpu_memory import engine_kv_bytes_per_token
+                from eagle_serve.engine.gpu_memory import engine_kv_bytes_per_token
                 per_token = engine_kv_bytes_per_token(c, m, self.dtype)
                 budget = int(_memory_bytes(self.device) * c.kv_cache_memory_fraction) // per_token
             tokens = min(budget, c.max_num_seqs * m.max_model_len)
@@ -133,8 +130,8 @@ class ModelRunner:
         if self.config.draft is None:
             raise ValueError(f"spec method {spec.method!r} needs a draft head (--draft PATH); this model "
                              f"has none: use --spec ngram or --spec none")
-        from engine.spec.eagle_drafter import EagleDrafter
-        from engine.spec.eagle_head import load_eagle_head
+        from eagle_serve.engine.speculative.eagle_drafter import EagleDrafter
+        from eagle_serve.engine.speculative.eagle_head import load_eagle_head
         int8 = self._draft_int8()
         head = load_eagle_head(self.config.draft, self.model, self.dtype).to(self.device)
         if self.device.type == "cpu":
@@ -148,10 +145,8 @@ class ModelRunner:
         """Whether the head keeps int8 weights (EngineConfig.draft_quantization): auto where the
         native CPU kernels run in float32 / bfloat16; int8 where they cannot is refused. w8a8
         also rounds their inputs (`draft_int8_inputs`), where the kernels have VNNI, and so does
-        auto there: side by side on a Zen 4 (bench/bench_spec.py --draft-quantization w8a8
-        --compare-quantization int8, bench/results/w8a8_ab_s42_zen4.json) a round's draft took
-        1.06 / 1.45 ms against 1.21 / 1.81 (4x2x2 / 6x3x3 trees) for 0.7 / 0.9% fewer tokens a
-        forward: 1.7 / 2.8% less time a token."""
+        auto there: the faster draft outweighs the slightly fewer accepted tokens (bench/bench_spec.py
+        --draft-quantization w8a8 --compare-quantization int8)."""
         mod = kernels.native() if self.device.type == "cpu" and self.dtype in FAST_DTYPES else None
         able = mod is not None and hasattr(mod, "pack_int8")
         q = self.config.draft_quantization

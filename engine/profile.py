@@ -6,10 +6,8 @@ On the CPU the profile also measures the share of the wall time its thread actua
 calling thread's CPU seconds / wall seconds; that thread is runnable throughout a timed call,
 whatever part of the work runs on one thread or all): another process busy on the same cores
 (a second engine starting, a benchmark, a build) makes every forward look slower, and a profile
-taken then is wrong for the whole run. A profile measured 42 ms for every forward of 1-16 tokens
-that way (10-13 ms normally; a bench_serve run, discarded, its json not kept) and misled the
-budget for a whole sweep: the online correction
-fixes the curve's level from plain rounds but not its slope over the tree sizes they never run.
+taken then is wrong for the whole run: the online correction fixes the curve's level from plain
+rounds but not its slope over the tree sizes they never run.
 So a contended profile is taken again (`attempts`, `wait` seconds apart) and every point keeps
 its fastest measurement; if every attempt was contended the result says so (`contended`) and
 the engine profiles again when it is next idle (`server.llm.LLM.run_idle`)."""
@@ -22,10 +20,10 @@ import time
 
 import torch
 
-from engine.forward_batch import SeqSpan
-from engine.spec.drafters import NoDrafter
-from engine.step_io import SeqStep
-from engine.sampling_params import SamplingParams
+from eagle_serve.engine.forward_batch import SeqSpan
+from eagle_serve.engine.speculative.drafters import NoDrafter
+from eagle_serve.engine.step_io import SeqStep
+from eagle_serve.engine.sampling_params import SamplingParams
 
 VERIFY_GRID = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # linear beyond
 SMALL_TOKENS = 16  # verify points up to here are timed in interleaved sweeps (ProfileRun)
@@ -33,9 +31,8 @@ DRAFT_GRID = (1, 2, 4, 8, 16, 32, 64)
 # committed tokens before the profiled forwards (each sequence's context)
 PROFILE_CONTEXT = 128
 
-# Below this CPU share a profile counts as contended. The default model's profile alone measured
-# 0.998 on the 2-core machine, 0.49-0.50 beside two spinning processes
-# (bench/bench_profile_contention.py, bench/results/profile_contention.json).
+# Below this CPU share a profile counts as contended: an idle machine is near 1, one shared with
+# busy processes near half.
 MIN_CPU_SHARE = float(os.environ.get("EAGLE_SERVE_PROFILE_MIN_CPU_SHARE", "0.75"))
 RETRY_WAIT = 1.0  # seconds between attempts
 
@@ -43,9 +40,8 @@ RETRY_WAIT = 1.0  # seconds between attempts
 def non_decreasing(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
     """The closest non-decreasing curve (least squares, pool-adjacent-violators) to timed
     points sorted by x: a forward of more tokens never costs less, and a noisy profile that said
-    otherwise (4 tokens at 14.9 ms after 3 at 15.8 ms: the budget's profile in eagle_v6.json) made trees of
-    that size look cheaper than smaller ones for good, the online correction of verify costs
-    coming from plain rounds only."""
+    otherwise would make trees of that size look cheaper than smaller ones for good, the online
+    correction of verify costs coming from plain rounds only."""
     blocks: list[list[float]] = []  # [sum, count]
     for _, y in points:
         blocks.append([y, 1])
@@ -166,8 +162,7 @@ def _profile_once(runner, max_tokens, max_seqs, context, repeats, small_repeats,
 class ProfileRun:
     """One attempt's points, measured one at a time (`step`), each over the KV blocks it is
     given then: the idle-time profile runs a point per idle turn of the serving loop, so a
-    request that arrives meanwhile waits for one point (at most a few hundred ms on the default
-    model) instead of the whole profile (4.3 s: bench/results/profile_contention.json), and the
+    request that arrives meanwhile waits for one point instead of the whole profile, and the
     blocks go back between points. A point that does not fit in its blocks ends its grid there.
     full_context: a verify point that does not fit with the whole `context` of keys does not fit
     (the idle-time profile: its points join a curve measured at that context); otherwise the
@@ -179,13 +174,9 @@ class ProfileRun:
         self.full_context = full_context
         self.runner, self.context, self.repeats, self.small_repeats = runner, context, repeats, small_repeats
         self.meter = meter if meter is not None else CpuShare()
-        # one sequence's trees (up to SMALL_TOKENS) differ by ~0.25 ms a token on the default
-        # model, under the noise of a few consecutive timings: timed one after another, 5 each,
-        # the points for 1-6 tokens came out at 7.82-7.96 ms (cost_profile_on in
-        # bench/results/serve_s25.json) and made a tree's extra rows look nearly free. So they
-        # are timed in sweeps, every size once per sweep (a step), the sweeps' medians kept:
-        # interleaved, 300 times each, 1 / 3 / 5 / 8 tokens took 5.46 / 6.17 / 6.72 / 7.44 ms
-        # (a scratch run, session 25)
+        # one sequence's trees (up to SMALL_TOKENS) differ by less a token than the noise of a few
+        # consecutive timings, so they are timed in sweeps, every size once per sweep (a step), and
+        # the sweeps' medians kept: timed one after another, a tree's extra rows look nearly free
         self.small = [t for t in VERIFY_GRID if t <= min(SMALL_TOKENS, max_tokens)]
         self.small_times: dict[int, list[float]] = {t: [] for t in self.small}
         self.todo = [("sweep", r) for r in range(small_repeats + 1)]  # sweep 0 warms up
@@ -267,7 +258,7 @@ class ProfileRun:
     def _draft(self, n: int, ids_of: list[int]) -> bool:
         runner, bs, context, repeats = self.runner, self.runner.config.block_size, self.context, self.repeats
         drafter, vocab = runner.drafter, runner.loaded.config.vocab_size
-        from engine.spec.eagle_drafter import feature_width  # [f ; aux] for a fused-feature head
+        from eagle_serve.engine.speculative.eagle_drafter import feature_width  # [f ; aux] for a fused-feature head
         h = feature_width(runner.loaded.config.hidden_size, runner.model.aux_layers)
         blocks_per = -(-(context + runner.spec.scratch_slots + 2 * repeats + 8) // bs)
         if n * blocks_per > len(ids_of):
@@ -285,9 +276,8 @@ class ProfileRun:
                 drafter.observe(s, [1], feats[-1:], reset=False)
             drafter.propose(steps, [depth] * n)
         # the points' catch-ups (the warm-up rounds consume each sequence's prompt pairs) are not
-        # what requests cost: the drafter's cumulative counters come back as they were (the
-        # benchmarks' catch-up seconds had included the start-up profile's, 1.17 s and 16256
-        # pairs on the default model)
+        # what requests cost: the drafter's cumulative counters come back as they were, so the
+        # benchmarks' catch-up seconds leave the start-up profile's out
         counters = getattr(drafter, "catchup_seconds", None), getattr(drafter, "catchup_pairs", None)
         try:
             for s in steps:  # the prompt's pairs, consumed by the untimed warm-up round

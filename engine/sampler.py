@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import kernels
-from engine.sampling_params import SamplingParams
-from engine.step_io import TokenLogprobs
+from eagle_serve.engine import kernels
+from eagle_serve.engine.sampling_params import SamplingParams
+from eagle_serve.engine.step_io import TokenLogprobs
 
 MASK64 = (1 << 64) - 1
 TOP_P_FIRST_K = 256  # candidates top-p looks at first (a nucleus past them widens the search)
@@ -73,7 +73,7 @@ def truncate(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
         # keep a token if the mass strictly before it (in descending order) is below top_p; the
         # top token always stays. The nucleus is found among the top k, k growing until it holds
         # a dropped token (then everything past k is dropped too), not a sort of the whole
-        # vocabulary (bench/bench_sampled_spec.py --micro-only)
+        # vocabulary
         probs, n, k = logits.softmax(-1), logits.shape[0], TOP_P_FIRST_K
         while True:
             if k * 16 > n:  # a wide nucleus: one full sort (a top-k of most of the vocabulary is slower)
@@ -95,9 +95,7 @@ def choose(logits: torch.Tensor, rows: list[SampleRow], skip: Container[int] = f
     `skip` are left undrawn (their argmax).
 
     max(-1).indices is argmax with the same first-index rule on ties (and NaN / all -inf rows),
-    2.5-3x faster on the CPU: [32, 49152] float32 rows 0.41 ms against 1.0 ms, one row 22
-    against 62 us; greedy decoding of 32 sequences 1.032x with it, same outputs (on the 2-core
-    Xeon: bench/bench_probes.py's argmax and greedy probes, bench/results/probes_s34_xeon.json)."""
+    and faster on the CPU."""
     chosen = greedy_picks(logits)
     for i, row in enumerate(rows):
         p = row.params
@@ -109,9 +107,8 @@ def choose(logits: torch.Tensor, rows: list[SampleRow], skip: Container[int] = f
 
 def greedy_picks(logits: torch.Tensor) -> torch.Tensor:
     """logits [N, V] -> max(-1).indices [N]; float32 on the CPU through the native kernel's
-    argmax_rows (the same indices: first among equal maxima, a row's first NaN): 49152-token
-    rows, 1 / 4 / 32 of them, in 4.3 / 9.4 / 99 us against max(-1).indices' 24 / 55 / 385 on the
-    2-core Xeon (bench/bench_probes.py --probes argmax, bench/results/probes_s36_xeon_argmax.json)."""
+    argmax_rows (the same indices: first among equal maxima, a row's first NaN), several times
+    faster than max(-1).indices."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1] > 0:
         fn = getattr(kernels.native(), "argmax_rows", None)
         if fn is not None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.sampling_params import SamplingParams
+from eagle_serve.engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ class SeqResult:
     draft_confidence: tuple[float, ...] = ()
     draft_depths: tuple[int, ...] = ()  # each confidence's node depth
     draft_depth: int = 0  # levels drafted this round (the draft's cost)
-    head_backlog: int = 0  # pairs the drafter holds for the sequence, not yet consumed (after this round)
+    head_backlog: int = 0  # pairs the drafter holds for the sequence, still unconsumed after this round
 
     @property
     def num_accepted(self) -> int:

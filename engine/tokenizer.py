@@ -192,13 +192,13 @@ def _compile(source: str) -> jinja2.Template:
 
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    """HF's tojson filter: its options passed through (they had been dropped)."""
+    """HF's tojson filter, its options passed through."""
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 class _GenerationTag(jinja2.ext.Extension):
     """`{% generation %}...{% endgeneration %}`: marks assistant text for training masks in HF's
-    templates; rendering keeps its body (templates using it had failed to compile)."""
+    templates; rendering keeps its body, so templates using it compile."""
 
     tags = {"generation"}
 
@@ -251,7 +251,7 @@ class IncrementalDetokenizer:
         seed = list(prompt_ids[-context:])
         # a seed that ends inside a character (a token-id prompt cut mid-character) would hide
         # the output token that completes it: the completed character is no longer than its
-        # U+FFFD, so the first delta was held back and then sliced past, its bytes lost. The
+        # U+FFFD, so the first delta would be held back and then sliced past, its bytes lost. The
         # seed stops at the last whole character: the completing bytes then come out as U+FFFD,
         # as decoding the output alone gives. Judged by the bytes, not the text (a prompt may
         # end in a real U+FFFD, and emptying the seed would cost SentencePiece its leading space).

@@ -17,12 +17,12 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from engine.sampling_params import SamplingParams
-from scheduler.loop import EngineLoop
-from scheduler.output_processor import RequestOutput
-from scheduler.scheduler import KVCacheTooSmall
-from scheduler.sequence import FinishReason
-from scheduler.worker import engine_executor
+from eagle_serve.engine.sampling_params import SamplingParams
+from eagle_serve.scheduler.loop import EngineLoop
+from eagle_serve.scheduler.output_processor import RequestOutput
+from eagle_serve.scheduler.scheduler import KVCacheTooSmall
+from eagle_serve.scheduler.sequence import FinishReason
+from eagle_serve.scheduler.worker import engine_executor
 
 
 class EngineDead(RuntimeError):

@@ -1,7 +1,7 @@
 """The one generation loop: schedule -> engine step -> update -> outputs.
 
-Every front door (CLI, offline `LLM`, later the HTTP server) drives this object. The engine is
-passed in as an `Executor` so this module never imports torch.
+Every front door (the CLI, the offline `LLM`, the HTTP server through `AsyncEngine`) drives
+this object. The engine is passed in as an `Executor` so this module never imports torch.
 """
 from __future__ import annotations
 
@@ -12,13 +12,14 @@ import random
 import time
 from typing import Protocol
 
-from engine.sampling_params import SamplingParams
-from engine.step_io import SeqResult, SeqStep
-from engine.tokenizer import Tokenizer
-from scheduler.block_allocator import BlockAllocator
-from scheduler.output_processor import RequestOutput, SeqTextState, make_output
-from scheduler.scheduler import Scheduler, SchedulerConfig
-from scheduler.sequence import FinishReason, Sequence
+from eagle_serve.engine.sampling_params import SamplingParams
+from eagle_serve.engine.step_io import SeqResult, SeqStep
+from eagle_serve.engine.tokenizer import Tokenizer
+from eagle_serve.scheduler.block_allocator import BlockAllocator
+from eagle_serve.scheduler.budget.interface import BudgetPolicy
+from eagle_serve.scheduler.output_processor import RequestOutput, SeqTextState, make_output
+from eagle_serve.scheduler.scheduler import Scheduler, SchedulerConfig
+from eagle_serve.scheduler.sequence import FinishReason, Sequence
 
 
 log = logging.getLogger("eagle_serve")
@@ -32,9 +33,14 @@ class Executor(Protocol):
     def release(self, seq_id: int) -> None:
         """Forget a finished sequence's engine-side state (e.g. pending draft features)."""
 
-    # optional: `catchup_seconds`, cumulative seconds of work a round did that its tree budget
-    # should not learn as the round's cost (the drafter consuming a backlog of pending pairs),
-    # and `catchup_pairs`, the pairs that work consumed
+    @property
+    def catchup_seconds(self) -> float:
+        """Cumulative seconds of work that the tree budget must not learn as a round's cost (the
+        drafter consuming a backlog of pending pairs); 0.0 for an engine without a drafter."""
+
+    @property
+    def catchup_pairs(self) -> int:
+        """Cumulative pending pairs that work consumed."""
 
 
 class IdleWork(Protocol):
@@ -61,7 +67,8 @@ class _SeqError(Exception):
 class EngineLoop:
     def __init__(self, executor: Executor, tokenizer: Tokenizer | None, allocator: BlockAllocator,
                  config: SchedulerConfig, eos_token_ids: frozenset[int], vocab_size: int,
-                 spec_tokens: int = 1, spec_slots: int = 0, budget=None, idle_work: IdleWork | None = None,
+                 spec_tokens: int = 1, spec_slots: int = 0, budget: BudgetPolicy | None = None,
+                 idle_work: IdleWork | None = None,
                  tree_tokens: int | None = None):
         self.executor = executor
         self.idle_work = idle_work
@@ -164,8 +171,8 @@ class EngineLoop:
     def plan(self) -> tuple[list[Sequence], list[SeqStep]]:
         """Schedule the next step (admission, block reservations, tree budgets)."""
         self._round_start = time.perf_counter()
-        self._catchup_start = getattr(self.executor, "catchup_seconds", 0.0)
-        self._catchup_pairs_start = getattr(self.executor, "catchup_pairs", 0)
+        self._catchup_start = self.executor.catchup_seconds
+        self._catchup_pairs_start = self.executor.catchup_pairs
         seqs = self.scheduler.schedule()
         return seqs, self.scheduler.steps(seqs)
 
@@ -222,15 +229,15 @@ class EngineLoop:
         self.last_step_time = now
         outputs = [self._output(seq) for seq in seqs if seq.seq_id in sampled or seq.is_finished]
         budget = self.scheduler.budget
-        if not failed and self._round_start is not None and hasattr(budget, "observe_round"):
+        if budget is not None and not failed and self._round_start is not None:
             # wall time of the whole round: plan, engine step (with its thread hop), outputs; a
             # drafter's backlog catch-up is left out of what the cost model learns
             seconds = time.perf_counter() - self._round_start
-            catchup = getattr(self.executor, "catchup_seconds", 0.0) - self._catchup_start
-            pairs = getattr(self.executor, "catchup_pairs", 0) - self._catchup_pairs_start
+            catchup = self.executor.catchup_seconds - self._catchup_start
+            pairs = self.executor.catchup_pairs - self._catchup_pairs_start
             budget.observe_round(forward_tokens, levels, seconds, committed=sum(len(r.token_ids) for r in ok),
                                  catchup=max(catchup, 0.0), prefill=prefill, catchup_pairs=max(pairs, 0))
-        elif hasattr(budget, "skip_round"):
+        elif budget is not None:
             budget.skip_round()
         self._round_start = None
         return outputs

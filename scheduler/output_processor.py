@@ -4,9 +4,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from engine.step_io import TokenLogprobs
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from scheduler.sequence import FinishReason, Sequence, SpecStats
+from eagle_serve.engine.step_io import TokenLogprobs
+from eagle_serve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from eagle_serve.scheduler.sequence import FinishReason, Sequence, SpecStats
 
 
 @dataclass

@@ -15,9 +15,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from engine.step_io import SeqResult, SeqStep
-from scheduler.block_allocator import BlockAllocator
-from scheduler.sequence import FinishReason, Sequence, SequenceStatus
+from eagle_serve.engine.step_io import SeqResult, SeqStep
+from eagle_serve.scheduler.block_allocator import BlockAllocator
+from eagle_serve.scheduler.budget.interface import BudgetPolicy
+from eagle_serve.scheduler.sequence import FinishReason, Sequence, SequenceStatus
 
 
 class KVCacheTooSmall(RuntimeError):
@@ -43,10 +44,11 @@ class SchedulerConfig:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, eos_token_ids: frozenset[int],
-                 spec_tokens: int = 1, spec_slots: int = 0, budget=None, tree_tokens: int | None = None):
+                 spec_tokens: int = 1, spec_slots: int = 0, budget: BudgetPolicy | None = None,
+                 tree_tokens: int | None = None):
         """spec_tokens: most tokens one round may emit (draft depth + 1; 1 = no speculation);
         spec_slots: scratch slots a round needs past the committed length (tree + draft);
-        budget: a `TreeBudget` choosing each round's tree sizes (None: always the full tree);
+        budget: the policy choosing each round's trees (None: always the full tree);
         tree_tokens: the configured tree, root included (None: spec_tokens), which a step's
         trees are cut down from when max_num_batched_tokens would not hold them all."""
         self.config = config
@@ -175,15 +177,12 @@ class Scheduler:
         short = [self._slots(s) < self.spec_slots for s in decoding]
         if self.budget is None:
             sizes = [1 if x else None for x in short]
-            depths = [None] * len(decoding)
+            depths, sync = [None] * len(decoding), [True] * len(decoding)
         else:
-            # no per-sequence confidences: the budget's running prior predicts a round better
-            # than the sequence's own last round does
             remaining = [self.tokens_left(s) for s in decoding]
             caps = [1 if x else min(r, self.spec_tokens) for r, x in zip(remaining, short)]  # max_new_tokens
-            sizes = self.budget.choose([()] * len(decoding), caps, prefill,
-                                       backlogs=[s.head_backlog for s in decoding], remaining=remaining)
-            depths = getattr(self.budget, "last_depths", None) or [None] * len(decoding)
+            plan = self.budget.choose(caps, prefill, backlogs=[s.head_backlog for s in decoding], remaining=remaining)
+            sizes, depths, sync = list(plan.sizes), list(plan.depths), plan.sync
         # the step's tokens (prefill chunks, then each tree) stay within max_num_batched_tokens:
         # the trees share what the decodes' own tokens leave, the largest cut first
         full = [self.tree_tokens if x is None else x for x in sizes]
@@ -191,7 +190,6 @@ class Scheduler:
         if sum(f - 1 for f in full) > room:
             sizes = [1 + x for x in _fit([f - 1 for f in full], max(room, 0))]
             depths = [None if d is None else min(d, n - 1) for d, n in zip(depths, sizes)]
-        sync = getattr(self.budget, "last_sync", None) or [True] * len(decoding)
         for s, size, depth, keep in zip(decoding, sizes, depths, sync):
             s.tree_tokens = size  # None: the engine's configured tree
             s.tree_depth = depth

@@ -5,9 +5,9 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from engine.sampling_params import SamplingParams
-from engine.step_io import SeqResult, TokenLogprobs
-from scheduler.block_allocator import BlockTable
+from eagle_serve.engine.sampling_params import SamplingParams
+from eagle_serve.engine.step_io import SeqResult, TokenLogprobs
+from eagle_serve.scheduler.block_allocator import BlockTable
 
 
 class SequenceStatus(enum.Enum):
@@ -77,7 +77,7 @@ class Sequence:
 
     def block_hashes(self, block_size: int, num_tokens: int | None = None) -> list[bytes]:
         """Prefix-cache hashes of the full blocks among the first `num_tokens` tokens."""
-        from scheduler.block_allocator import block_hashes
+        from eagle_serve.scheduler.block_allocator import block_hashes
         n = (self.num_tokens if num_tokens is None else num_tokens) // block_size
         if len(self._hashes) < n:
             start = len(self._hashes)

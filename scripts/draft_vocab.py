@@ -6,10 +6,10 @@ vocabulary can be re-picked without retraining: the K most frequent assistant to
 given JSONL files (end-of-turn ids always in), counted on the ids the target generated
 (`token_ids`, as `train-draft --regenerate` and scripts/self_prompts.py write them) or, for
 turns without them, on the chat-template rendering. The head's weights are copied unchanged;
-train a stage from it (`train-draft --init OUT`) so its token loss sees the new vocabulary.
+fine-tune it (`train-draft --init OUT`) so its token loss sees the new vocabulary.
 
     python scripts/draft_vocab.py --head engine/heads/smollm2-135m-instruct \
-        --data SELF.jsonl,SELF2.jsonl,RUN13/regenerated.jsonl --k 16384 --out HEAD16K
+        --data SELF.jsonl,SELF2.jsonl,RUN/regenerated.jsonl --k 16384 --out HEAD16K
 
 Prints the coverage of the new and the old vocabulary on the counted tokens (and, with
 --eval FILE, on another file's assistant tokens: a check, never a source of the ranking).
@@ -29,7 +29,7 @@ def assistant_ids(files: list[str], tokenizer, max_len: int = 1 << 20, vocab_siz
     """All assistant-token ids of the conversations in `files` (a torch tensor); with
     vocab_size, generated `token_ids` past it are refused (they belong to another model)."""
     import torch
-    from engine.train.data import check_token_ids, load_conversations, render
+    from eagle_serve.engine.train.data import check_token_ids, load_conversations, render
     out = []
     for path in files:
         convs = load_conversations(path, None)
@@ -71,9 +71,9 @@ def main(argv=None) -> int:
 def run(args, data: list[str]) -> int:
     import torch
     from safetensors.torch import load_file, save_file
-    from engine.loader import load_model, read_json
-    from engine.spec.eagle_head import load_eagle_head
-    from engine.train.trainer import build_draft_vocab
+    from eagle_serve.engine.loader import load_model, read_json
+    from eagle_serve.engine.speculative.eagle_head import load_eagle_head
+    from eagle_serve.engine.train.losses import build_draft_vocab
     loaded = load_model(args.model, torch.float32, torch.device("cpu"))
     vocab = loaded.config.vocab_size
     if not 2 <= args.k <= vocab:
@@ -94,12 +94,12 @@ def run(args, data: list[str]) -> int:
                       eval_coverage_old=coverage(ev, old) if old is not None else 1.0)
     os.makedirs(args.out, exist_ok=True)
     same = os.path.samefile(args.head, args.out)  # re-picked in place: the other files are already there
-    for name in os.listdir(args.head):  # anything else travels along; the old card described the old vocabulary
+    for name in os.listdir(args.head):  # anything else travels along; card.json describes the replaced vocabulary
         if not same and name not in ("model.safetensors", "config.json", "card.json") \
                 and os.path.isfile(os.path.join(args.head, name)):
             shutil.copy2(os.path.join(args.head, name), os.path.join(args.out, name))
     if same and os.path.exists(os.path.join(args.out, "card.json")):
-        os.remove(os.path.join(args.out, "card.json"))  # it described the old vocabulary
+        os.remove(os.path.join(args.out, "card.json"))  # it describes the replaced vocabulary
     weights = {k: v.clone() for k, v in weights.items()}  # off the file's memory map before it is replaced
     weights["d2t"] = d2t.to(torch.int64).contiguous()
     tmp = os.path.join(args.out, "model.safetensors.tmp")

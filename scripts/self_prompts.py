@@ -21,7 +21,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.config import DTYPES  # noqa: E402
+from eagle_serve.engine.config import DTYPES  # noqa: E402
 from scripts.sharegpt_instructions import check_args, keep  # noqa: E402  (the same length and ASCII filter)
 
 OPENERS = ("Write", "Explain", "How", "What", "Describe", "Imagine", "Can you", "Give me", "Why", "Compose",
@@ -41,7 +41,7 @@ def write_prompts(llm, count: int, openers=OPENERS, max_tokens: int = 96, temper
                   top_p: float = 0.95, seed: int = 0, min_chars: int = 20, max_chars: int = 400,
                   ascii_share: float = 0.98, batch: int = 256, max_tries: int | None = None, log=print) -> list[str]:
     """Up to `count` distinct prompts the target wrote; sample i uses seed + i and opener i mod len."""
-    from engine.sampling_params import SamplingParams
+    from eagle_serve.engine.sampling_params import SamplingParams
     tok = llm.tokenizer
     prefix = user_prefix(tok)
     out, seen, tried = [], set(), 0
@@ -64,11 +64,12 @@ def write_prompts(llm, count: int, openers=OPENERS, max_tokens: int = 96, temper
 
 def answer(llm, prompts: list[str], max_tokens: int = 256, log=print) -> list[dict]:
     """Greedy answers as training conversations (the assistant turn keeps the target's ids):
-    `engine.train.trainer.regenerate` on one-turn conversations; empty answers are left out."""
-    from engine.train.trainer import TrainConfig, regenerate
+    `engine.train.regenerate.regenerate` on one-turn conversations; empty answers are left out."""
+    from eagle_serve.engine.train.config import TrainConfig
+    from eagle_serve.engine.train.regenerate import regenerate
     with tempfile.TemporaryDirectory() as work:  # regenerate's resumable file, not kept
         cfg = TrainConfig(model=None, out=work, regen_max_tokens=max_tokens)
-        convs = regenerate(cfg, [[{"role": "user", "content": p}] for p in prompts], log, llm=llm)
+        convs = regenerate(cfg, [[{"role": "user", "content": p}] for p in prompts], log, open_llm=lambda: llm)
     return [{"messages": c} for c in convs if len(c) == 2 and c[1].get("token_ids")]
 
 
@@ -95,7 +96,7 @@ def main(argv=None) -> int:
     openers = tuple(s.strip() for s in a.openers.split(",") if s.strip())
     if not openers:
         p.error("--openers is empty")
-    from server.llm import LLM
+    from eagle_serve.server.llm import LLM
     llm = LLM(a.model, dtype=a.dtype, max_num_seqs=64, kv_cache_tokens=64 * (512 + a.answer_max_tokens + 32))
     t0 = time.time()
     prompts = write_prompts(llm, a.count, openers, a.prompt_max_tokens, a.temperature, a.top_p, a.seed,

@@ -19,7 +19,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.train.data import _read_sharegpt, normalise  # noqa: E402
+from eagle_serve.engine.train.data import _read_sharegpt, normalise  # noqa: E402
 
 
 def keep(text: str, min_chars: int, max_chars: int, ascii_share: float) -> bool:

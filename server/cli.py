@@ -7,8 +7,8 @@ import os
 import sys
 import time
 
-from engine.config import ATTENTIONS, DEVICES, DRAFT_QUANTIZATIONS, DTYPES, env_flag
-from engine.spec.config import METHODS
+from eagle_serve.engine.config import ATTENTIONS, DEVICES, DRAFT_QUANTIZATIONS, DTYPES, env_flag
+from eagle_serve.engine.speculative.config import METHODS
 
 
 def _add_engine_args(p: argparse.ArgumentParser, batch: bool = True) -> None:
@@ -144,8 +144,8 @@ def _env_defaults(parser: argparse.ArgumentParser) -> None:
             try:
                 action.default = action.type(value) if action.type else value
             except (ValueError, TypeError, argparse.ArgumentTypeError) as e:
-                # reported when `serve` runs, not while every subcommand's parser is built (a bad
-                # value broke --help and the other subcommands with a traceback)
+                # reported when `serve` runs, not while the parser is built, so that --help and the
+                # other subcommands still work
                 why = f"{name}={value!r}: {e}"
                 if value.startswith("tcp://"):
                     why += (" (a Kubernetes service link: a Service named eagle-serve sets it; pass the flag, "
@@ -178,8 +178,8 @@ def _positive_int(value: str) -> int:
 def cmd_serve(args) -> int:
     import logging
     import uvicorn
-    from server.app import ServerState, create_app
-    from server.llm import LLM
+    from eagle_serve.server.app import ServerState, create_app
+    from eagle_serve.server.llm import LLM
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key is empty: that would serve without authentication; omit it for no key")
@@ -194,15 +194,11 @@ def cmd_serve(args) -> int:
     print(f"eagle-serve: {state.model_name} (spec {llm.engine_config.spec.method}"
           f"{', head ' + draft if draft else ''}) on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     if llm.runner.device.type == "cpu":
-        from engine import hugepages
+        from eagle_serve.engine import hugepages
         print(f"eagle-serve: {hugepages.summary()}", file=sys.stderr, flush=True)
-    # SIGTERM/SIGINT: uvicorn stops listening, waits for open requests (streams get the same grace),
-    # then cancels what is left; the lifespan's shutdown stops the engine loop and we exit 0.
-    # uvicorn re-raises the signal it caught once it has shut down (so the default handler
-    # would end the process "killed by SIGTERM"); a no-op handler underneath makes a graceful
-    # shutdown exit 0, as orchestrators expect.
-    # At --shutdown-timeout, what still runs is aborted and answered (503, or a stream's error
-    # event: ServerState.begin_shutdown); uvicorn's own deadline, a second later, cancels the rest.
+    # SIGTERM/SIGINT: uvicorn drains open requests; at --shutdown-timeout what still runs is answered
+    # (ServerState.begin_shutdown) and uvicorn's deadline, a second later, cancels the rest. uvicorn
+    # re-raises the signal once shut down: a no-op handler underneath makes that exit 0.
     import signal
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
@@ -220,7 +216,7 @@ def cmd_serve(args) -> int:
 
 def resolve_draft(args) -> str | None:
     """--draft PATH | none | default; unset: the shipped head of the embedded default model."""
-    from engine.default_model import default_draft_path
+    from eagle_serve.engine.default_model import default_draft_path
     if args.spec in ("ngram", "none") and args.draft not in (None, "none"):
         why = "it drafts from the prompt's own n-grams" if args.spec == "ngram" else "it does not speculate"
         raise ValueError(f"--draft does not apply to --spec {args.spec}: {why}")
@@ -242,8 +238,16 @@ def _layer_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated layer indices, got {text!r}") from None
 
 
+def regeneration_llm(cfg):
+    """The engine train-draft's regeneration answers with: the target, batched 64 answers wide."""
+    from eagle_serve.server.llm import LLM
+    return LLM(cfg.model, dtype=cfg.dtype, max_num_seqs=64,
+               kv_cache_tokens=64 * (cfg.regen_max_prompt + cfg.regen_max_tokens + 32))
+
+
 def cmd_train_draft(args) -> int:
-    from engine.train.trainer import TrainConfig, train_draft
+    from eagle_serve.engine.train.config import TrainConfig
+    from eagle_serve.engine.train.trainer import train_draft
     cfg = TrainConfig(model=None if args.model == "default" else args.model, out=args.out, data=args.data,
                       max_conversations=args.max_conversations, max_len=args.max_len, epochs=args.epochs,
                       lr=args.lr, warmup_steps=args.warmup_steps, batch_tokens=args.batch_tokens, noise=args.noise, draft_vocab=args.draft_vocab,
@@ -251,26 +255,27 @@ def cmd_train_draft(args) -> int:
                       heldout_fraction=args.heldout_fraction, snapshots=args.snapshots, seed=args.seed,
                       dtype=args.dtype, progress=not args.no_progress, init=args.init,
                       ttt_steps=args.ttt_steps, p_weight=args.p_weight, aux_layers=args.aux_layers)
-    from engine.train import trainer
-    from scheduler.worker import engine_executor
+    from eagle_serve.engine.train import fit
+    from eagle_serve.scheduler.worker import engine_executor
     # on the engine thread, where regeneration's LLM runs too: one thread does all torch work
-    job = engine_executor().submit(train_draft, cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
+    job = engine_executor().submit(train_draft, cfg, log=lambda m: print(m, file=sys.stderr, flush=True),
+                                   open_llm=lambda: regeneration_llm(cfg))
     try:
         card = job.result()
     except KeyboardInterrupt:
         # Ctrl-C: training saves its state after the step under way; regeneration and features keep
         # what they finished (chunks, shards). Leaving the engine thread mid-step at exit had ended
         # the process with SIGABRT.
-        if not trainer.TRAINING.is_set():
+        if not fit.TRAINING.is_set():
             print("eagle-serve: interrupted; the same command resumes from the last finished regeneration "
                   "chunk or feature shard", file=sys.stderr, flush=True)
             os._exit(130)
-        trainer.STOP.set()
+        fit.STOP.set()
         print("eagle-serve: interrupted; saving the training state after this step (Ctrl-C again: quit now)",
               file=sys.stderr, flush=True)
         try:
             card = job.result()
-        except trainer.Interrupted as e:
+        except fit.Interrupted as e:
             print(f"eagle-serve: {e}", file=sys.stderr, flush=True)
             return 130
         except KeyboardInterrupt:
@@ -281,8 +286,8 @@ def cmd_train_draft(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from engine.sampling_params import SamplingParams
-    from server.llm import LLM
+    from eagle_serve.engine.sampling_params import SamplingParams
+    from eagle_serve.server.llm import LLM
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.sampling_top_k, seed=args.seed, ignore_eos=args.ignore_eos)
     if args.max_num_seqs is not None:
@@ -322,7 +327,7 @@ def engine_kwargs(args) -> dict:
 
 def spec_config(args, draft: str | None = None):
     """SpecConfig from the flags: given values override the method's defaults."""
-    from engine.spec.config import SpecConfig
+    from eagle_serve.engine.speculative.config import SpecConfig
     draft = draft if draft is not None else (args.draft if args.draft not in ("none", "default") else None)
     method = args.spec or ("eagle2" if draft else "none")
     kwargs = {k: v for k, v in (("total_tokens", args.total_tokens), ("depth", args.depth),

@@ -1,7 +1,7 @@
 """Offline Python API, in the shape of vLLM's `LLM`.
 
-    from server.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from eagle_serve.server.llm import LLM
+    from eagle_serve.engine.sampling_params import SamplingParams
     llm = LLM()  # the embedded default model
     out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16, temperature=0))
 """
@@ -9,17 +9,16 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Sequence as Seq
 
-from engine.config import EngineConfig
-from engine.model_runner import ModelRunner
-from engine.sampling_params import SamplingParams
-from scheduler.block_allocator import BlockAllocator
-from scheduler.loop import EngineLoop
-from scheduler.output_processor import RequestOutput
-from scheduler.scheduler import SchedulerConfig
-from scheduler.worker import on_engine_thread
+from eagle_serve.engine.config import EngineConfig
+from eagle_serve.engine.model_runner import ModelRunner
+from eagle_serve.engine.sampling_params import SamplingParams
+from eagle_serve.scheduler.block_allocator import BlockAllocator
+from eagle_serve.scheduler.loop import EngineLoop
+from eagle_serve.scheduler.output_processor import RequestOutput
+from eagle_serve.scheduler.scheduler import SchedulerConfig
+from eagle_serve.scheduler.worker import on_engine_thread
 
 Prompt = str | list[int]
 
@@ -44,100 +43,44 @@ class LLM:
                                 max_prefill_chunk=min(c.max_prefill_chunk, c.max_num_batched_tokens))
         spec = c.spec
         self.budget = None
-        self.cost_profile = None
-        self.profiles: list[dict] = []  # every cost profile taken: {"at", "cpu_share", "contended", "used"}
-        self._reprofile_at: float | None = None  # when the next idle-time profile is due (None: not needed)
-        self._idle_run = None  # the idle-time profile under way (engine.profile.ProfileRun), point by point
+        self.cost_profiles = None  # the tree budget's cost profiles (scheduler.budget.CostProfiles)
         if spec.method != "none" and c.tree_budget:
-            from scheduler.budget import TreeBudget
-            prof = self._profile()
-            self.budget = TreeBudget(self._costs(prof), spec.tree_tokens,
-                                     max_depth=spec.max_depth if spec.method == "eagle2" else None)
+            from eagle_serve.engine.profile import extend, profile_costs
+            from eagle_serve.scheduler.budget import BudgetConfig, CostProfiles, TreeBudget
+            self.cost_profiles = CostProfiles(self._start_idle_profile, extend,
+                                              lambda prof: self.budget.set_costs(self._costs(prof)), self.allocator)
+            prof = self.cost_profiles.record(profile_costs(self.runner, c.max_num_batched_tokens, c.max_num_seqs))
+            self.budget = TreeBudget(self._costs(prof), BudgetConfig(
+                spec.tree_tokens, max_depth=spec.max_depth if spec.method == "eagle2" else None))
         self.loop = EngineLoop(self.runner, self.tokenizer, self.allocator, sched,
                                loaded.eos_token_ids, loaded.config.vocab_size,
                                spec_tokens=spec.max_depth + 1, spec_slots=spec.scratch_slots, budget=self.budget,
-                               idle_work=self if self.budget is not None else None, tree_tokens=spec.tree_tokens)
+                               idle_work=self.cost_profiles, tree_tokens=spec.tree_tokens)
 
     # ------------------------------------------------------------------ the tree budget's cost profile
-    REPROFILE_AFTER = 10.0  # seconds from a contended profile to the next try
-    MAX_PROFILES = 6  # the start-up profile and at most five idle-time ones
-
-    def _profile(self) -> dict:
-        from engine.profile import profile_costs
-        c = self.engine_config
-        return self._record(profile_costs(self.runner, c.max_num_batched_tokens, c.max_num_seqs))
-
-    def _record(self, prof: dict) -> dict:
-        """Keep a finished profile (the first one, or any clean one) and schedule the next try
-        after a contended one."""
-        used = not prof["contended"] or self.cost_profile is None
-        self.profiles.append({"at": time.time(), "cpu_share": prof["cpu_share"], "contended": prof["contended"],
-                              "used": used})
-        if used:
-            self.cost_profile = prof
-        if prof["contended"] and len(self.profiles) < self.MAX_PROFILES:
-            self._reprofile_at = time.monotonic() + self.REPROFILE_AFTER
-            log.warning("the tree budget's cost profile ran while other processes used the CPU (CPU share %s); "
-                        "profiling again when the engine is next idle",
-                        ", ".join(f"{s:.2f}" for s in prof["cpu_share"]))
-        else:
-            self._reprofile_at = None
-        return prof
+    @property
+    def cost_profile(self) -> dict | None:
+        """The profile the tree budget's costs came from (None without a budget)."""
+        return None if self.cost_profiles is None else self.cost_profiles.current
 
     def _costs(self, prof: dict):
-        from scheduler.budget import CostModel
+        from eagle_serve.scheduler.budget import CostModel
         # eagle2's dynamic tree is sized and cut to depth per round; the other drafters'
         # rounds cost what the profile measured, whatever their size
         per_level = self.engine_config.spec.method == "eagle2"
         return CostModel(prof["verify"], prof["draft"], prof["draft_first"] if per_level else [], depth=prof["depth"])
 
-    def idle_due_in(self) -> float | None:
-        """Seconds until idle-time profiling is due (<= 0: now; an unfinished profile is always
-        due), None when none is needed (the last profile was clean, or the tries are spent)."""
-        if self._idle_run is not None:
-            return 0.0
-        return None if self._reprofile_at is None else self._reprofile_at - time.monotonic()
-
-    def run_idle(self) -> None:
-        """Engine thread, no sequence running: measure the next point of the idle-time profile
-        (`engine.profile.ProfileRun`) over the KV blocks that no sequence holds and no prefix
-        caches, which go back right after, so a request arriving meanwhile waits for one point,
-        not the whole profile. A finished clean profile replaces the budget's costs (what the
-        budget learnt online corrected the contended one; its measured guard rates stay). A
-        point that raises ends the profile, which is not tried again."""
-        from engine.profile import ProfileRun, extend
-        if self._idle_run is None:
-            c = self.engine_config
-            self._reprofile_at = None
-            self._idle_run = ProfileRun(self.runner, c.max_num_batched_tokens, c.max_num_seqs, full_context=True)
-        run = self._idle_run
-        table = self.allocator.take_uncached()
-        try:
-            done = run.step(table.blocks)
-        except BaseException:
-            self._idle_run = None
-            raise
-        finally:
-            self.allocator.free(table)
-        if not done:
-            return
-        self._idle_run = None
-        old, prof = self.cost_profile, run.result()
-        if not (prof["verify"] or prof["draft"]):  # the prefix cache held nearly every block: nothing fitted
-            log.info("tree budget cost profile not retaken: too few KV blocks free of cached prefixes")
-            return
-        prof = self._record(prof)
-        if not prof["contended"]:  # its grids may stop early (fewer blocks): old's points carry on
-            self.cost_profile = extend(prof, old)
-            self.budget.set_costs(self._costs(self.cost_profile))
-            log.info("tree budget cost profile retaken (CPU share %.2f)", prof["cpu_share"][-1])
+    def _start_idle_profile(self):
+        from eagle_serve.engine.profile import ProfileRun
+        c = self.engine_config
+        return ProfileRun(self.runner, c.max_num_batched_tokens, c.max_num_seqs, full_context=True)
 
     def _finish_idle(self) -> None:
         """The synchronous front end's idle time is before a call: run due idle work (an
         unfinished profile to its end) before the call's requests."""
         if self.loop.idle_due():
             on_engine_thread(self.loop.run_idle)
-            while self._idle_run is not None and self.loop.idle_due():
+            while self.cost_profiles is not None and self.cost_profiles.under_way and self.loop.idle_due():
                 on_engine_thread(self.loop.run_idle)
 
     @property
@@ -237,7 +180,7 @@ def _messages(conversation) -> list[dict]:
     """One conversation's messages for the chat template, checked as the server checks them."""
     from pydantic import ValidationError
 
-    from server.protocol import ChatMessage, template_message
+    from eagle_serve.server.protocol import ChatMessage, template_message
     if not isinstance(conversation, (list, tuple)) or not conversation:
         raise ValueError(f"a conversation is a non-empty list of messages, got {conversation!r}")
     out = []

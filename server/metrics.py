@@ -115,6 +115,30 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+class LatencyTracker:
+    """One request's time to first token and inter-token latencies, observed as its outputs are
+    read; the times are the engine's (each output's own), not the reader's."""
+
+    def __init__(self, metrics: Metrics):
+        self.m = metrics
+        self.last: dict[int, float] = {}
+        self.count: dict[int, int] = {}
+
+    def see(self, out) -> None:
+        now = out.output_time
+        n_new = len(out.token_ids) - self.count.get(out.seq_id, 0)
+        if n_new > 0:
+            if out.seq_id not in self.last and out.first_token_time is not None:
+                self.m.ttft.observe(out.first_token_time - out.arrival_time)
+                n_new -= 1
+            elif out.seq_id in self.last:
+                gap = (now - self.last[out.seq_id]) / n_new
+                for _ in range(n_new):
+                    self.m.itl.observe(gap)
+            self.last[out.seq_id] = now
+            self.count[out.seq_id] = len(out.token_ids)
+
+
 def parse_metrics(text: str) -> dict[str, float]:
     """Prometheus text exposition -> {series (name with labels): value} (tests, bench/)."""
     out = {}

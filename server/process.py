@@ -26,7 +26,7 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "wb")
-        cmd = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
+        cmd = [sys.executable, "-m", "eagle_serve.server.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=root,
                                      env={**os.environ, **(env or {})})

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
 
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from eagle_serve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 class ApiError(Exception):
@@ -53,9 +53,8 @@ def _whole(value):
 
 
 def _int(**limits):
-    """An int within limits that takes whole-number floats (constraints first, so the OpenAPI
-    schema says minimum / maximum: after the validator they came out as unknown "ge" / "le"
-    keys, which clients and the fuzz tests ignore)."""
+    """An int within limits that takes whole-number floats. The constraints come before the
+    validator, so the OpenAPI schema states them as minimum / maximum."""
     return Annotated[int, Field(**limits), BeforeValidator(_whole)]
 
 
@@ -67,7 +66,7 @@ TokenCount = _int(ge=1)
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 StopString = Annotated[str, StringConstraints(min_length=1)]
 # canonical: "01" and "1" would be one key; at most 10 digits (a longer key is past any vocabulary,
-# and int() of one past 4300 digits raised a 500)
+# and int() refuses strings past 4300 digits)
 TokenIdKey = Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]{0,9})$")]
 
 

@@ -64,7 +64,7 @@ def tiny_llama(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_llm(tiny_llama):
-    from server.llm import LLM
+    from eagle_serve.server.llm import LLM
     return LLM(tiny_llama[0], dtype="float64", device="cpu", kv_cache_tokens=4096, block_size=4)
 
 
@@ -73,5 +73,5 @@ def _profiles_ignore_machine_load(monkeypatch):
     """Tests build engines whose start-up cost profile would be taken again (and later retaken
     when idle) whenever the test machine happens to be busy; the behaviour under contention has
     its own tests (tests/test_scheduler.py, test_contended_*), which set the threshold they need."""
-    import engine.profile
-    monkeypatch.setattr(engine.profile, "MIN_CPU_SHARE", 0.0)
+    import eagle_serve.engine.profile
+    monkeypatch.setattr(eagle_serve.engine.profile, "MIN_CPU_SHARE", 0.0)

@@ -7,8 +7,8 @@ import os
 import torch
 from safetensors.torch import save_file
 
-from engine.spec.drafters import Drafter
-from engine.spec.tree import chain, root_only
+from eagle_serve.engine.speculative.drafters import Drafter
+from eagle_serve.engine.speculative.tree import chain, root_only
 
 
 def write_eagle_head(path: str, target_dir: str, seed: int = 0, std: float = 0.1, stray_embed: bool = True,

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.block_allocator import BlockAllocator, OutOfBlocks
+from eagle_serve.scheduler.block_allocator import BlockAllocator, OutOfBlocks
 
 OPS = st.lists(st.tuples(st.sampled_from(["reserve", "commit", "rollback", "free", "share"]),
                          st.integers(0, 5), st.integers(0, 40)), max_size=120)
@@ -79,7 +79,7 @@ def test_slots_follow_the_block_table():
 
 
 def test_take_uncached_leaves_cached_prefixes_and_held_blocks_alone():
-    from scheduler.block_allocator import block_hashes
+    from eagle_serve.scheduler.block_allocator import block_hashes
     a = BlockAllocator(8, 4, enable_prefix_caching=True)
     held, cached = a.new_table(), a.new_table()
     a.reserve(held, 4)
@@ -103,8 +103,8 @@ def test_take_uncached_leaves_cached_prefixes_and_held_blocks_alone():
 
 def test_blocks_are_handed_out_lowest_id_first():
     """Live blocks stay packed at the start of the cache: a freed block is the next one taken
-    when it is the lowest free, whatever was freed after it (the last-freed order had left a
-    speculative engine's blocks scattered and its plain rounds 4-6% slower)."""
+    when it is the lowest free, whatever was freed after it (scattered blocks make a speculative
+    engine's plain rounds slower)."""
     alloc = BlockAllocator(8, 2)
     a, b, c = alloc.new_table(), alloc.new_table(), alloc.new_table()
     for t in (a, b, c):
@@ -133,9 +133,9 @@ def test_blocks_are_handed_out_lowest_id_first():
 
 def test_block_hashes_are_digests_of_the_tokens_not_pythons_hash():
     """Equal hashes must mean equal tokens, whoever sent them: Python's hash() of the token tuple
-    (as the keys were) maps an int and that int plus 2^61 - 1 to the same value, and a 64-bit
-    unseeded hash can be collided on purpose (a crafted block served another client's KV)."""
-    from scheduler.block_allocator import block_hashes
+    maps an int and that int plus 2^61 - 1 to the same value, and a 64-bit unseeded hash can be
+    collided on purpose (a crafted block would be served another client's KV)."""
+    from eagle_serve.scheduler.block_allocator import block_hashes
     m = (1 << 61) - 1
     a, b = block_hashes([5, 6, 7, 8], 4), block_hashes([5 + m, 6, 7, 8], 4)
     assert a != b and len(a[0]) == 16

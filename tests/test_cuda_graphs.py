@@ -7,17 +7,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.attention import TorchAttention
-from engine.config import EngineConfig
-from engine.cuda_graphs import (Buckets, GraphRunner, bucket_for, default_buckets, expand_batch, graphs_enabled,
+from eagle_serve.engine.attention import TorchAttention
+from eagle_serve.engine.config import EngineConfig
+from eagle_serve.engine.cuda_graphs import (Buckets, GraphRunner, bucket_for, default_buckets, expand_batch, graphs_enabled,
                                 kv_sizes_for, pad_spans, powers_up_to, scratch_blocks)
-from engine.forward_batch import SeqSpan, build_forward_batch
-from engine.gpu_memory import (cuda_kv_cache_tokens, graph_reserve_bytes, kv_bytes_per_token, kv_cache_blocks,
+from eagle_serve.engine.forward_batch import SeqSpan, build_forward_batch
+from eagle_serve.engine.gpu_memory import (cuda_kv_cache_tokens, graph_reserve_bytes, kv_bytes_per_token, kv_cache_blocks,
                                kv_cache_bytes)
-from engine.kv_cache import KVCache
-from engine.model_config import ModelConfig
-from engine.spec.config import SpecConfig
-from engine.spec.tree import from_paths
+from eagle_serve.engine.kv_cache import KVCache
+from eagle_serve.engine.model_config import ModelConfig
+from eagle_serve.engine.speculative.config import SpecConfig
+from eagle_serve.engine.speculative.tree import from_paths
 
 GIB = 1 << 30
 CPU = torch.device("cpu")
@@ -104,7 +104,7 @@ def test_config_validation(bad):
 
 
 def test_cli_flags():
-    from server.cli import build_parser, engine_kwargs
+    from eagle_serve.server.cli import build_parser, engine_kwargs
     kw = engine_kwargs(build_parser().parse_args(["generate", "--prompt", "x"]))
     assert kw["cuda_graphs"] is True and kw["gpu_memory_utilization"] == 0.9
     args = build_parser().parse_args(["serve", "--no-cuda-graphs", "--gpu-memory-utilization", "0.5"])
@@ -167,7 +167,7 @@ def test_expand_batch_sees_what_the_eager_batch_sees():
 
 @pytest.fixture(scope="module")
 def tiny(tiny_llama):
-    from engine.loader import load_model
+    from eagle_serve.engine.loader import load_model
     return load_model(tiny_llama[0], torch.float64, CPU, skip_tokenizer=True)
 
 
@@ -234,7 +234,7 @@ def test_graph_path_plumbing_with_a_stand_in_capture(tiny, monkeypatch):
     """GraphRunner.forward's CUDA path on the CPU: padding, copies into the shared static
     buffers, replay, the real rows picked out; the capture is replaced by replaying the captured
     function eagerly (what record_graph would record)."""
-    import engine.cuda_graphs as cg
+    import eagle_serve.engine.cuda_graphs as cg
     monkeypatch.setattr(cg, "record_graph", lambda run, device, pool: SimpleNamespace(replay=run))
     monkeypatch.setattr(cg.GraphRunner, "_pool_handle", lambda self: None)
     bs, num_blocks, tables, kv_a, kv_b, backend = _two_equal_caches(tiny)
@@ -256,7 +256,7 @@ def test_graph_path_plumbing_with_a_stand_in_capture(tiny, monkeypatch):
 
 
 def test_a_failed_capture_runs_eager(tiny, monkeypatch):
-    import engine.cuda_graphs as cg
+    import eagle_serve.engine.cuda_graphs as cg
 
     def broken(run, device, pool):
         raise RuntimeError("capture failed")
@@ -274,7 +274,7 @@ def test_a_failed_capture_runs_eager(tiny, monkeypatch):
 
 
 def test_engine_on_cpu_is_unchanged(tiny_llm):
-    from engine.sampling_params import SamplingParams
+    from eagle_serve.engine.sampling_params import SamplingParams
     r = tiny_llm.runner
     assert not r.graphs.enabled and r.kv.num_blocks == r.num_blocks  # no scratch block on the CPU
     before = r.graphs.stats.eager
@@ -319,7 +319,7 @@ def _model_config(**kw):
 
 
 def test_cuda_kv_tokens_from_profile(monkeypatch):
-    import engine.gpu_memory as gm
+    import eagle_serve.engine.gpu_memory as gm
     monkeypatch.setattr(gm, "profile_in_use", lambda runner: (80 * GIB, 20 * GIB))
     cfg = _model_config()
 
@@ -341,8 +341,8 @@ def test_kv_budget_counts_the_heads_feature_cache(tmp_path, monkeypatch):
     fused head's wider features cost blocks, on the GPU and the CPU alike."""
     import json
 
-    import engine.gpu_memory as gm
-    from engine.spec.config import SpecConfig
+    import eagle_serve.engine.gpu_memory as gm
+    from eagle_serve.engine.speculative.config import SpecConfig
     monkeypatch.setattr(gm, "profile_in_use", lambda runner: (80 * GIB, 20 * GIB))
     cfg = _model_config()
     heads = {}

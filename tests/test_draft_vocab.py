@@ -7,10 +7,10 @@ import os
 import torch
 from safetensors.torch import load_file
 
-from engine.spec.config import SpecConfig
-from engine.sampling_params import SamplingParams
+from eagle_serve.engine.speculative.config import SpecConfig
+from eagle_serve.engine.sampling_params import SamplingParams
 from scripts.draft_vocab import main
-from server.llm import LLM
+from eagle_serve.server.llm import LLM
 from tests.spec_helpers import write_eagle_head
 
 
@@ -48,8 +48,8 @@ def test_revocabulised_head_keeps_its_weights_covers_the_data_and_serves(tiny_ll
 
 
 def test_bad_inputs_are_named_without_a_traceback(tiny_llama, tmp_path):
-    """Each of these was a traceback (RuntimeError deep in the ranking, SameFileError,
-    DataError) or, for a head of another model, an unusable head written with exit 0."""
+    """Each bad input is named in one line: token ids past the vocabulary, a missing data file, a
+    head of another model (nothing is written for it); a head re-picked in place keeps working."""
     import pytest
     from tests.conftest import write_tiny_model
     head = write_eagle_head(str(tmp_path / "head"), tiny_llama[0], seed=1)
@@ -76,6 +76,6 @@ def test_bad_inputs_are_named_without_a_traceback(tiny_llama, tmp_path):
     with open(os.path.join(head, "config.json")) as f:
         assert json.load(f)["draft_vocab_size"] == 8
     assert (tmp_path / "head" / "README.md").read_text() == "card"
-    assert not (tmp_path / "head" / "card.json").exists()  # it described the old vocabulary
+    assert not (tmp_path / "head" / "card.json").exists()  # a card describes the vocabulary it came with
     after = load_file(os.path.join(head, "model.safetensors"))
     assert all(torch.equal(before[k], after[k]) for k in before if k != "d2t") and len(after["d2t"]) == 8

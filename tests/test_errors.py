@@ -7,11 +7,11 @@ import os
 import pytest
 import torch
 
-from engine.loader import ModelLoadError, load_model
-from engine.model_config import UnsupportedModel
-from engine.sampling_params import SamplingParams
-from scheduler.loop import PromptTooLong
-from server.cli import main
+from eagle_serve.engine.loader import ModelLoadError, load_model
+from eagle_serve.engine.model_config import UnsupportedModel
+from eagle_serve.engine.sampling_params import SamplingParams
+from eagle_serve.scheduler.loop import PromptTooLong
+from eagle_serve.server.cli import main
 from tests.conftest import write_tiny_model
 
 
@@ -45,7 +45,7 @@ def test_unsupported_architecture_is_named(tmp_path):
 
 def test_rope_scaling_wins_over_rope_parameters_as_in_transformers(tmp_path):
     # a v5 config (default rope_parameters) with a user's rope_scaling: transformers applies the
-    # scaling, and this engine ignored it
+    # scaling, and so does this engine
     from transformers import AutoConfig
     write_tiny_model(str(tmp_path))
     cfg = json.loads((tmp_path / "config.json").read_text())
@@ -73,8 +73,8 @@ def test_unsupported_rope_scaling_is_named(tmp_path):
     (lambda c: c.update(hidden_size="64"), "hidden_size must be a positive integer"),
     (lambda c: c.update(rms_norm_eps="x"), "rms_norm_eps"),
     (lambda c: c.update(num_hidden_layers=0), "num_hidden_layers must be a positive integer"),
-    # rope scaling fields each type reads: a missing one was a KeyError in the rotary table, a
-    # string a TypeError, a factor of 0 a table of NaNs (garbage output, exit 0)
+    # rope scaling fields each type reads: missing, a string or 0, each is named before the
+    # rotary table is built (a factor of 0 would make a table of NaNs)
     (lambda c: c.update(rope_scaling={"rope_type": "linear"}), "factor must be a positive number"),
     (lambda c: c.update(rope_scaling={"rope_type": "linear", "factor": "2"}), "factor must be a positive number"),
     (lambda c: c.update(rope_scaling={"rope_type": "linear", "factor": 0}), "factor must be a positive number"),
@@ -86,7 +86,7 @@ def test_unsupported_rope_scaling_is_named(tmp_path):
     (lambda c: c.update(sliding_window="4096"), "sliding_window must be a positive integer"),
     (lambda c: c.update(num_key_value_heads=3), "not a multiple of")])
 def test_a_malformed_config_names_its_file_and_field(tmp_path, edit, message):
-    # these were a KeyError / TypeError traceback, or a mismatch message quoting "64" as 64
+    # each names the file and the field, and quotes a string value as a string
     write_tiny_model(str(tmp_path), tokenizer=False)
     cfg = json.loads((tmp_path / "config.json").read_text())
     edit(cfg)
@@ -111,8 +111,8 @@ def test_a_truncated_weight_file_is_named(tmp_path):
 
 
 def test_a_broken_draft_head_is_named(tmp_path, tiny_llama):
-    from engine.spec.config import SpecConfig
-    from server.llm import LLM
+    from eagle_serve.engine.speculative.config import SpecConfig
+    from eagle_serve.server.llm import LLM
     from tests.spec_helpers import write_eagle_head
     head = write_eagle_head(str(tmp_path / "head"), tiny_llama[0])
     st = tmp_path / "head" / "model.safetensors"
@@ -170,7 +170,7 @@ def test_cli_reports_errors_cleanly(capsys):
 
 
 def test_cli_refuses_what_it_would_fail_on_later(capsys, monkeypatch, tmp_path, tiny_llama):
-    # each of these was a traceback, or accepted and then misbehaving
+    # each of these is refused with exit 2 and one line, before anything loads
     model = ["--model", tiny_llama[0], "--dtype", "float64", "--device", "cpu"]
     assert main(["generate", *model, "--prompt", ""]) == 2
     assert "prompt is empty" in capsys.readouterr().err
@@ -184,7 +184,7 @@ def test_cli_refuses_what_it_would_fail_on_later(capsys, monkeypatch, tmp_path, 
         assert said in err and "tree.json" in err, err
     assert main(["generate", *model, "--prompt", "x", "--spec", "ngram", "--static-tree", str(f)]) == 2
     assert "for --spec eagle1" in capsys.readouterr().err
-    # tree-shape flags the method does not read were accepted and ignored
+    # tree-shape flags the method does not read are refused, not ignored
     for method, flags, said in (("eagle1", ["--depth", "3", "--top-k", "2"], "--depth, --top-k do not apply"),
                                 ("ngram", ["--top-k", "3"], "--top-k does not apply"),
                                 ("none", ["--total-tokens", "8"], "--total-tokens does not apply")):
@@ -209,10 +209,10 @@ def test_cli_refuses_what_it_would_fail_on_later(capsys, monkeypatch, tmp_path, 
     assert "EAGLE_SERVE_PORT='abc'" in err and "EAGLE_SERVE_FIXED_TREE='maybe'" in err
     # ... unless its flag is on the command line (the flag wins): a Kubernetes Service named
     # eagle-serve injects EAGLE_SERVE_PORT=tcp://IP:PORT into its namespace's pods (service links),
-    # and a pod started with --port crash-looped on it
+    # and a pod started with --port must not crash-loop on it
     monkeypatch.delenv("EAGLE_SERVE_FIXED_TREE")
     monkeypatch.setenv("EAGLE_SERVE_PORT", "tcp://10.96.0.12:8000")
-    assert main(["serve", *model, "--port", "8000", "--api-key="]) == 2  # got past the variables
+    assert main(["serve", *model, "--port", "8000", "--api-key="]) == 2  # the variables pass, the flag is refused
     assert "--api-key is empty" in capsys.readouterr().err
     assert main(["serve", *model, "--api-key="]) == 2
     err = capsys.readouterr().err
@@ -226,8 +226,8 @@ def test_cli_refuses_what_it_would_fail_on_later(capsys, monkeypatch, tmp_path, 
 
 
 def test_a_draft_top_k_beyond_the_heads_vocabulary_is_refused(tiny_llama, tmp_path):
-    from engine.spec.config import SpecConfig
-    from server.llm import LLM
+    from eagle_serve.engine.speculative.config import SpecConfig
+    from eagle_serve.server.llm import LLM
     from tests.spec_helpers import write_eagle_head
     head = write_eagle_head(str(tmp_path / "head"), tiny_llama[0])  # the tiny vocabulary: 320
     kw = dict(dtype="float64", device="cpu", kv_cache_tokens=1024, block_size=4, draft=head, tree_budget=False)
@@ -240,7 +240,7 @@ def test_a_draft_top_k_beyond_the_heads_vocabulary_is_refused(tiny_llama, tmp_pa
 
 @pytest.mark.real_model
 def test_a_truncated_gguf_is_named(tmp_path):
-    from engine.default_model import default_model_path
+    from eagle_serve.engine.default_model import default_model_path
     with open(default_model_path(), "rb") as f:
         head = f.read(5000)
     cut = tmp_path / "cut.gguf"
@@ -250,7 +250,7 @@ def test_a_truncated_gguf_is_named(tmp_path):
 
 
 def test_stop_strings_without_a_tokenizer_are_refused(tiny_llama):
-    from server.llm import LLM
+    from eagle_serve.server.llm import LLM
     llm = LLM(tiny_llama[0], dtype="float64", device="cpu", kv_cache_tokens=256, skip_tokenizer=True)
     with pytest.raises(ValueError, match="stop strings need a tokenizer"):
         llm.generate([[5, 6]], SamplingParams(stop=["x"]))
@@ -258,26 +258,25 @@ def test_stop_strings_without_a_tokenizer_are_refused(tiny_llama):
 
 
 def test_the_published_schema_states_every_limit_as_json_schema():
-    # limits set after a validator came out as unknown "ge" / "le" keys: clients (and the fuzz
-    # tests, which then sent max_tokens 0) read no minimum at all
+    # limits set after a validator must not come out as unknown "ge" / "le" keys: clients (and the
+    # fuzz tests) would read no minimum at all
     import json as _json
-    from server.protocol import ChatRequest, CompletionRequest
+    from eagle_serve.server.protocol import ChatRequest, CompletionRequest
     for model in (ChatRequest, CompletionRequest):
         text = _json.dumps(model.model_json_schema())
         assert '"ge"' not in text and '"le"' not in text and '"minimum": 1' in text
 
 
 def test_text_parts_are_joined_by_newlines_as_vllm_joins_them():
-    from server.protocol import ChatRequest, chat_inputs
+    from eagle_serve.server.protocol import ChatRequest, chat_inputs
     req = ChatRequest(model="m", messages=[{"role": "user", "content": [{"type": "text", "text": "First part."},
                                                                          {"type": "text", "text": "Second part."}]}])
     assert chat_inputs(req)[0][0]["content"] == "First part.\nSecond part."
 
 
 def test_sharded_checkpoints_load_the_files_transformers_loads(tmp_path):
-    # every *.safetensors was loaded: a Mistral repo's consolidated.safetensors beside the
-    # shards, or an adapter file, was "unexpected weight"; a shard the index names but that is
-    # missing was reported as missing fused weights
+    # only the files the index names are read (a Mistral repo keeps consolidated.safetensors
+    # beside the shards, some an adapter file), and a missing shard is named as a missing file
     from safetensors.torch import load_file, save_file
     base = tmp_path / "base"
     write_tiny_model(str(base))
@@ -301,7 +300,7 @@ def test_sharded_checkpoints_load_the_files_transformers_loads(tmp_path):
     with pytest.raises(ModelLoadError, match="quantized checkpoints .*'fp8'"):  # (int / fp8 weights were cast)
         _load(str(base))
     (base / "config.json").write_text(json.dumps(cfg))
-    (base / "generation_config.json").write_text("[1]")  # (was an AttributeError traceback)
+    (base / "generation_config.json").write_text("[1]")  # not an object: named, not a traceback
     save_file(src, str(base / "model.safetensors"))  # a whole file beside the index: it is the one read
     with pytest.raises(ModelLoadError, match="generation_config.json: not a JSON object"):
         _load(str(base))

@@ -9,12 +9,12 @@ import types
 import pytest
 import torch
 
-from engine.attention import NativeCPUAttention, TorchAttention, make_backend
-from engine.config import EngineConfig
-from engine.flash_attention import FlashAttention, attention_lse, block_attention_lse, merge_lse
-from engine.forward_batch import SeqSpan, build_forward_batch
-from engine.kv_cache import KVCache
-from engine.sampling_params import SamplingParams
+from eagle_serve.engine.attention import NativeCPUAttention, TorchAttention, make_backend
+from eagle_serve.engine.config import EngineConfig
+from eagle_serve.engine.flash_attention import FlashAttention, attention_lse, block_attention_lse, merge_lse
+from eagle_serve.engine.forward_batch import SeqSpan, build_forward_batch
+from eagle_serve.engine.kv_cache import KVCache
+from eagle_serve.engine.sampling_params import SamplingParams
 from tests import flash_attn_standin as standin
 
 CPU = torch.device("cpu")
@@ -271,7 +271,7 @@ PROMPTS = [[random.Random(i).randrange(3, 300) for _ in range(n)] for i, n in en
 
 @pytest.fixture(scope="module")
 def torch_reference(tiny_llama):
-    from server.llm import LLM
+    from eagle_serve.server.llm import LLM
     llm = LLM(tiny_llama[0], dtype="float64", device="cpu", kv_cache_tokens=4096, block_size=256,
               attention="torch", max_prefill_chunk=64)
     return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
@@ -279,7 +279,7 @@ def torch_reference(tiny_llama):
 
 @pytest.mark.parametrize("block_size", [256, 16])
 def test_generation_through_flash_equals_torch(tiny_llama, torch_reference, monkeypatch, block_size):
-    from server.llm import LLM
+    from eagle_serve.server.llm import LLM
     standin.install(monkeypatch)
     llm = LLM(tiny_llama[0], dtype="float64", device="cpu", kv_cache_tokens=4096, block_size=block_size,
               attention="flash", max_prefill_chunk=64)
@@ -291,8 +291,8 @@ def test_generation_through_flash_equals_torch(tiny_llama, torch_reference, monk
 def test_eagle_trees_through_flash_equal_plain_torch(tiny_llama, torch_reference, monkeypatch, tmp_path):
     """EAGLE-2 trees verified by the flash backend (LSE-merge path), the draft head's own
     frontier (masked scratch keys) through it too: greedy output equals plain decoding."""
-    from engine.spec.config import SpecConfig
-    from server.llm import LLM
+    from eagle_serve.engine.speculative.config import SpecConfig
+    from eagle_serve.server.llm import LLM
     from tests.spec_helpers import write_eagle_head
     fa = standin.install(monkeypatch)
     head = write_eagle_head(str(tmp_path / "head"), tiny_llama[0])
@@ -314,7 +314,7 @@ def no_flash(monkeypatch):
 
 
 def test_selection_without_flash_attn(monkeypatch):
-    from engine import kernels
+    from eagle_serve.engine import kernels
     no_flash(monkeypatch)
     cuda = torch.device("cuda")
     assert isinstance(make_backend(0.1, cuda, torch.bfloat16), TorchAttention)  # auto falls back
@@ -338,10 +338,10 @@ def test_selection_without_flash_attn(monkeypatch):
 
 
 def test_torch_backend_on_cuda_never_uses_cudnn_attention(monkeypatch):
-    """cuDNN's SDPA builds a plan per shape (44 ms per new key length on an H200, 0.3 ms
-    without it: bench/results/gpu_check.json); the eager key length changes every round."""
+    """cuDNN's SDPA builds a plan per shape, and the eager key length changes every round, so
+    every round would pay for a new plan (bench/gpu_check.py measures it)."""
     from torch.nn.attention import SDPBackend
-    from engine.attention import cuda_sdpa_backends
+    from eagle_serve.engine.attention import cuda_sdpa_backends
     no_flash(monkeypatch)
     cuda = torch.device("cuda")
     for choice in ("auto", "torch"):
@@ -382,7 +382,7 @@ def test_selection_with_flash_attn(monkeypatch):
 
 
 def test_config_and_cli_carry_the_choice():
-    from server.cli import build_parser, engine_kwargs
+    from eagle_serve.server.cli import build_parser, engine_kwargs
     assert EngineConfig(attention="flash").attention == "flash"
     with pytest.raises(ValueError, match="attention must be one of"):
         EngineConfig(attention="sdpa")

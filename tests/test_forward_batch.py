@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.forward_batch import SeqSpan, build_forward_batch
+from eagle_serve.engine.forward_batch import SeqSpan, build_forward_batch
 
 BS = 4
 
@@ -57,7 +57,7 @@ CASES = {
 
 def _builder(monkeypatch, native: bool) -> None:
     """Pick the native build_batch or the numpy path (EAGLE_SERVE_NATIVE_BATCH)."""
-    from engine import kernels
+    from eagle_serve.engine import kernels
     if native and getattr(kernels.native(), "build_batch", None) is None:
         pytest.skip("no native kernels on this CPU or no compiler")
     monkeypatch.setenv("EAGLE_SERVE_NATIVE_BATCH", "1" if native else "0")

@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import IncrementalDetokenizer
-from server.cli import main
-from server.llm import LLM
+from eagle_serve.engine.sampling_params import SamplingParams
+from eagle_serve.engine.tokenizer import IncrementalDetokenizer
+from eagle_serve.server.cli import main
+from eagle_serve.server.llm import LLM
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 
@@ -34,8 +34,8 @@ def test_stop_string_truncates_and_reports(tiny_llm):
     assert late.text.startswith(full.text[:first + len(stop)])
     if late.finish_reason == "stop":  # a later match, after the first min_tokens tokens
         assert full.text.find(stop, first + 1) == len(late.text)
-    # and a longer stop string beside it changes nothing: its hold-back window had brought the
-    # passed-over match back into the search once min_tokens was reached
+    # and a longer stop string beside it changes nothing: its hold-back window must not bring
+    # the passed-over match back into the search once min_tokens is reached
     both = tiny_llm.generate(prompt, SamplingParams(max_tokens=30, stop=[stop, "Z" * 16], min_tokens=k + 1,
                                                     **GREEDY))[0]
     assert (both.text, both.token_ids, both.finish_reason) == (late.text, late.token_ids, late.finish_reason)

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from engine.spec.accept import walk
+from eagle_serve.engine.speculative.accept import walk
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "bench", "gpu_check.py")

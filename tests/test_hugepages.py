@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import hugepages, kernels
-from engine.layers import Linear
+from eagle_serve.engine import hugepages, kernels
+from eagle_serve.engine.layers import Linear
 
 native = kernels.native()
 thp = hugepages.thp_mode() in ("always", "madvise")
@@ -75,7 +75,7 @@ def test_arena_keeps_values_dtypes_and_shapes_each_on_its_own_page(monkeypatch, 
 
 @pytest.mark.skipif(native is None, reason="no native kernels on this CPU or no compiler")
 def test_packed_weights_move_to_the_arena_and_compute_the_same(monkeypatch):
-    from engine.layers import weights_to_arena
+    from eagle_serve.engine.layers import weights_to_arena
     monkeypatch.setenv("EAGLE_SERVE_HUGEPAGES", "1")
     g = torch.Generator().manual_seed(1)
     lins = []
@@ -96,8 +96,8 @@ def test_packed_weights_move_to_the_arena_and_compute_the_same(monkeypatch):
 @pytest.mark.skipif(native is None, reason="no native kernels on this CPU or no compiler")
 def test_engine_in_huge_pages_decodes_as_one_without(tiny_llama, monkeypatch):
     """bf16 (packed weights, native stack): greedy ids and logprobs equal, huge pages or not."""
-    from engine.sampling_params import SamplingParams
-    from server.llm import LLM
+    from eagle_serve.engine.sampling_params import SamplingParams
+    from eagle_serve.server.llm import LLM
     outs = {}
     for on in ("0", "1"):
         monkeypatch.setenv("EAGLE_SERVE_HUGEPAGES", on)

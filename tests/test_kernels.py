@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import kernels
-from engine.layers import SKINNY_MAX_ROWS, Linear, onednn_rows
+from eagle_serve.engine import kernels
+from eagle_serve.engine.layers import SKINNY_MAX_ROWS, Linear, onednn_rows
 
 native = kernels.native()
 
@@ -78,7 +78,7 @@ H, Hkv, D, BS = 6, 2, 32, 4  # attention test shapes: GQA, blocks of 4
 
 def _twin_caches(n_blocks: int, dtype, gen):
     """Two equal random KV caches (one per backend) and a shuffled block order."""
-    from engine.kv_cache import KVCache
+    from eagle_serve.engine.kv_cache import KVCache
     kv_a = KVCache(1, n_blocks, BS, Hkv, D, dtype, torch.device("cpu"))
     kv_a.data.copy_(torch.randn(kv_a.data.shape, generator=gen).to(dtype))
     kv_b = KVCache(1, n_blocks, BS, Hkv, D, dtype, torch.device("cpu"))
@@ -95,9 +95,9 @@ def _qkv(T: int, dtype, gen):
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_native_paged_attention_matches_torch_backend(dtype, tol):
     """Packed batch: a decode, a tree and a short chunk, GQA, shuffled blocks, vs the torch path."""
-    from engine.attention import NativeCPUAttention, TorchAttention
-    from engine.forward_batch import SeqSpan, build_forward_batch
-    from engine.spec.tree import from_paths
+    from eagle_serve.engine.attention import NativeCPUAttention, TorchAttention
+    from eagle_serve.engine.forward_batch import SeqSpan, build_forward_batch
+    from eagle_serve.engine.speculative.tree import from_paths
     gen = torch.Generator().manual_seed(0)
     kv_a, kv_b, blocks = _twin_caches(64, dtype, gen)
     tree = from_paths(1, [[2, 3], [2, 4], [5]])
@@ -121,9 +121,9 @@ def test_native_paged_attention_long_contexts_match_torch_backend(dtype, tol):
     """Rows whose keys span different numbers of chunks (128 keys each) in one batch: a tree over
     290 committed keys, a decode over 130, one over 40, and a decode row of 257 (the kernel's
     work items are per row, KV head and chunk, ordered by sequence, then merged)."""
-    from engine.attention import NativeCPUAttention, TorchAttention
-    from engine.forward_batch import SeqSpan, build_forward_batch
-    from engine.spec.tree import from_paths
+    from eagle_serve.engine.attention import NativeCPUAttention, TorchAttention
+    from eagle_serve.engine.forward_batch import SeqSpan, build_forward_batch
+    from eagle_serve.engine.speculative.tree import from_paths
     gen = torch.Generator().manual_seed(3)
     kv_a, kv_b, blocks = _twin_caches(240, dtype, gen)
     tree = from_paths(1, [[2, 3], [2, 4], [5]])
@@ -227,9 +227,9 @@ def test_native_paged_attention_rows_sharing_keys_compute_what_each_row_alone_do
 def test_mixed_prefill_and_decode_batch_matches_torch_backend(dtype, tol):
     """Continuous batching: a 100-token prefill chunk (past the native kernel's query limit)
     packed with a decode, a tree and a fresh prompt: long ones alone, short ones native."""
-    from engine.attention import NativeCPUAttention, TorchAttention
-    from engine.forward_batch import SeqSpan, build_forward_batch
-    from engine.spec.tree import from_paths
+    from eagle_serve.engine.attention import NativeCPUAttention, TorchAttention
+    from eagle_serve.engine.forward_batch import SeqSpan, build_forward_batch
+    from eagle_serve.engine.speculative.tree import from_paths
     gen = torch.Generator().manual_seed(1)
     kv_a, kv_b, blocks = _twin_caches(128, dtype, gen)
     tree = from_paths(1, [[2, 3], [2, 4], [5]])
@@ -247,7 +247,7 @@ def test_mixed_prefill_and_decode_batch_matches_torch_backend(dtype, tol):
 @pytest.mark.skipif(native is None, reason="no native kernels on this CPU or no compiler")
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_fused_add_rms_norm(dtype, tol):
-    from engine.layers import RMSNorm
+    from eagle_serve.engine.layers import RMSNorm
     norm = RMSNorm(40, 1e-5)
     norm.weight.data = torch.randn(40).to(dtype)
     x, delta = torch.randn(3, 40).to(dtype), torch.randn(3, 40).to(dtype)
@@ -265,10 +265,10 @@ def test_native_decode_stack_matches_python_forward(tiny_llama, dtype, tol, aux)
     """The one-call native stack gives the Python path's hidden states and KV (decode batch of
     two sequences, a single-sequence step, a 6-row step; shuffled blocks); with aux layers set
     (a fused-feature draft head's), also the same residual stream after them."""
-    from engine.attention import make_backend
-    from engine.forward_batch import SeqSpan, build_forward_batch
-    from engine.kv_cache import KVCache
-    from engine.loader import load_model
+    from eagle_serve.engine.attention import make_backend
+    from eagle_serve.engine.forward_batch import SeqSpan, build_forward_batch
+    from eagle_serve.engine.kv_cache import KVCache
+    from eagle_serve.engine.loader import load_model
     loaded = load_model(tiny_llama[0], dtype, torch.device("cpu"), skip_tokenizer=True)
     model, cfg = loaded.model, loaded.config
     model.prepack()
@@ -308,10 +308,10 @@ def test_native_decode_stack_matches_python_forward(tiny_llama, dtype, tol, aux)
 def test_native_decode_stack_refuses_a_slot_outside_the_cache(tiny_llama):
     """The stack writes K and V straight into the cache's memory: a slot past its end (or
     negative) is refused before any layer runs, and the cache is left as it was."""
-    from engine.forward_batch import SeqSpan, build_forward_batch
-    from engine.kv_cache import KVCache
-    from engine.loader import load_model
-    from engine.models.llama import native_stack_forward
+    from eagle_serve.engine.forward_batch import SeqSpan, build_forward_batch
+    from eagle_serve.engine.kv_cache import KVCache
+    from eagle_serve.engine.loader import load_model
+    from eagle_serve.engine.models.llama import native_stack_forward
     loaded = load_model(tiny_llama[0], torch.float32, torch.device("cpu"), skip_tokenizer=True)
     model, cfg = loaded.model, loaded.config
     model.prepack()
@@ -331,7 +331,7 @@ def test_native_decode_stack_refuses_a_slot_outside_the_cache(tiny_llama):
 @pytest.mark.parametrize("rows", [1, 5])
 def test_native_aux_norm_matches_the_torch_expression(dtype, tol, rows):
     """A fused head's aux features: each chunk RMS-normalised, one native call on the CPU."""
-    from engine.spec.eagle_head import aux_norm
+    from eagle_serve.engine.speculative.eagle_head import aux_norm
     torch.manual_seed(0)
     n, h, eps = 3, 96, 1e-5
     x = (torch.randn(rows, n * h) * torch.tensor([0.5, 4.0, 30.0]).repeat_interleave(h)).to(dtype)
@@ -351,10 +351,10 @@ def test_native_stack_silu_lanes_tail_and_large_gates(tmp_path, dtype, tol):
     """The stack's vectorised SiLU x up: an intermediate size that leaves a scalar tail (40 = 2 x
     16 + 8) and gate pre-activations of +-100 (exp's clamps) give the Python path's states."""
     from conftest import write_tiny_model
-    from engine.attention import make_backend
-    from engine.forward_batch import SeqSpan, build_forward_batch
-    from engine.kv_cache import KVCache
-    from engine.loader import load_model
+    from eagle_serve.engine.attention import make_backend
+    from eagle_serve.engine.forward_batch import SeqSpan, build_forward_batch
+    from eagle_serve.engine.kv_cache import KVCache
+    from eagle_serve.engine.loader import load_model
     write_tiny_model(str(tmp_path), layers=1, intermediate=40, tokenizer=False)
     loaded = load_model(str(tmp_path), dtype, torch.device("cpu"), skip_tokenizer=True)
     model, cfg = loaded.model, loaded.config
@@ -423,12 +423,12 @@ def test_native_head_stack_matches_python_forward(tiny_llama, tmp_path, dtype, t
     the Python path's features and draft KV: pairs consumed by two sequences, then a frontier
     over masked scratch keys, as drafting feeds it; with int8 weights (every call here has at
     most INT8_MAX_ROWS rows) both paths read them."""
-    from engine.attention import make_backend
-    from engine.forward_batch import SeqSpan, build_forward_batch
-    from engine.kv_cache import KVCache
-    from engine.loader import load_model
-    from engine.spec.eagle_drafter import _rotary
-    from engine.spec.eagle_head import load_eagle_head
+    from eagle_serve.engine.attention import make_backend
+    from eagle_serve.engine.forward_batch import SeqSpan, build_forward_batch
+    from eagle_serve.engine.kv_cache import KVCache
+    from eagle_serve.engine.loader import load_model
+    from eagle_serve.engine.speculative.eagle_drafter import _rotary
+    from eagle_serve.engine.speculative.eagle_head import load_eagle_head
     from tests.spec_helpers import write_eagle_head
     target = load_model(tiny_llama[0], dtype, torch.device("cpu"), skip_tokenizer=True).model
     target.prepack()
@@ -477,16 +477,14 @@ def test_native_head_stack_matches_python_forward(tiny_llama, tmp_path, dtype, t
 @pytest.mark.skipif(native is None, reason="no native kernels on this CPU or no compiler")
 @pytest.mark.parametrize("spec", ["none", "ngram"])
 def test_a_cached_prompt_reruns_bit_identical_in_bf16(tiny_llama, spec):
-    # A rerun computes only the tail a prefix-cache hit leaves, in a forward of a few rows, which
-    # took the native kernels (few-row linears, the paged attention kernel) where the whole
-    # prompt had taken oneDNN's GEMM and SDPA: in bf16 they round differently, and greedy
-    # reruns of MT-bench prompts on the default model parted from the first run in 8 of 12
-    # (bench/bench_rerun.py). A prompt chunk now takes the kernels its whole prompt's length
-    # picks, and a prompt's last token is not drafted on (ngram drafted on a one-token tail).
+    # A rerun computes only the tail a prefix-cache hit leaves, in a forward of a few rows; the
+    # few-row native kernels and oneDNN's GEMM and SDPA round differently in bf16, so a prompt
+    # chunk takes the kernels its whole prompt's length picks, and a prompt's last token is not
+    # drafted on, even as a one-token tail.
     import random
-    from engine.sampling_params import SamplingParams
-    from engine.spec.config import SpecConfig
-    from server.llm import LLM
+    from eagle_serve.engine.sampling_params import SamplingParams
+    from eagle_serve.engine.speculative.config import SpecConfig
+    from eagle_serve.server.llm import LLM
     llm = LLM(tiny_llama[0], dtype="bfloat16", device="cpu", kv_cache_tokens=4096, block_size=16,
               spec=SpecConfig(spec), tree_budget=False)
     rng = random.Random(0)
@@ -602,7 +600,7 @@ def test_packed_rows_limit_follows_amx_and_the_input_width():
     """32 rows natively only where AMX tiles take the weight (inputs a multiple of 32), 64 on AMD
     CPUs with the AVX-512 build (no AMX there), else 16; a decode stack takes what its linears
     all take."""
-    from engine.layers import AMX_PACKED_MAX_ROWS, PACKED_MAX_ROWS, WIDE_PACKED_MAX_ROWS, packed_max_rows
+    from eagle_serve.engine.layers import AMX_PACKED_MAX_ROWS, PACKED_MAX_ROWS, WIDE_PACKED_MAX_ROWS, packed_max_rows
     other = WIDE_PACKED_MAX_ROWS if not amx and kernels.wide_packed() else PACKED_MAX_ROWS
     assert packed_max_rows(576) == (AMX_PACKED_MAX_ROWS if amx else other)
     assert packed_max_rows(48) == other
@@ -617,7 +615,7 @@ def test_packed_rows_limit_follows_amx_and_the_input_width():
 def test_prompt_tokens_keep_the_16_row_limit_where_decode_batches_take_64():
     """Within rows_as(..., prompt=True) a packed linear takes its prompt limit (16 rows), so a
     prompt of 17-64 tokens, and the cached prefix it may share, rounds as on every CPU."""
-    from engine.layers import PACKED_MAX_ROWS, WIDE_PACKED_MAX_ROWS, rows_as
+    from eagle_serve.engine.layers import PACKED_MAX_ROWS, WIDE_PACKED_MAX_ROWS, rows_as
     lin = Linear(576, 64)
     lin.weight.data = torch.randn(64, 576).to(torch.bfloat16)
     lin.prepack()
@@ -638,7 +636,7 @@ def test_packed_rows_limit_by_vendor_build_and_amx(monkeypatch, vendor, build, a
     """The wide limit is the AVX-512 build's on AMD CPUs only (measured there); AMX keeps 32."""
     from types import SimpleNamespace
 
-    from engine.layers import packed_max_rows
+    from eagle_serve.engine.layers import packed_max_rows
     monkeypatch.setattr(kernels, "native", lambda: SimpleNamespace(amx=lambda: amx_on))
     monkeypatch.setattr(kernels, "cpu_vendor", lambda: vendor)
     monkeypatch.setattr(kernels, "isa", lambda: (build, set(), []))
@@ -679,7 +677,7 @@ def test_bf16_linear_without_onednn_bf16_takes_every_row_natively(monkeypatch, o
     weights sends every row count to the native kernel (F.linear in bf16 is several times slower
     there), so each row of a prompt comes out as it would alone; weights that cannot be packed
     (200 outputs) and a Linear without native kernels keep their paths, and all of them run."""
-    import engine.layers as layers
+    import eagle_serve.engine.layers as layers
     if onednn and not layers._onednn_ok(torch.bfloat16):
         pytest.skip("oneDNN has no bf16 on this CPU")
     monkeypatch.setattr(layers, "_onednn_ok", lambda dtype: onednn or dtype != torch.bfloat16)
@@ -783,7 +781,7 @@ def test_int8_linear_matches_its_dequantized_weights(dtype, k, rounded):
 @pytest.mark.skipif(native is None, reason="no native kernels on this CPU or no compiler")
 @pytest.mark.parametrize("rounded", [False, True])
 def test_linear_int8_weights_take_few_rows_and_leave_more_to_the_packed_path(rounded):
-    from engine.layers import INT8_MAX_ROWS
+    from eagle_serve.engine.layers import INT8_MAX_ROWS
     needs_vnni(rounded)
     gen = torch.Generator().manual_seed(6)
     w = (torch.randn(128, 576, generator=gen) * 0.05).to(torch.bfloat16)
@@ -824,7 +822,7 @@ def test_native_argmax_rows_is_max_indices(v):
     """Greedy picks (sampler.greedy_picks) through argmax_rows give torch's max(-1).indices:
     the first of equal maxima, a row's first NaN, index 0 of an all -inf row, at every width
     (vector body and scalar tail)."""
-    from engine.sampler import greedy_picks
+    from eagle_serve.engine.sampler import greedy_picks
     gen = torch.Generator().manual_seed(v)
     for rows in (1, 3, 7):
         cases = [torch.randn(rows, v, generator=gen), torch.randint(0, 3, (rows, v), generator=gen).float(),
@@ -885,12 +883,12 @@ def test_fused_draft_level_equals_the_python_path(tiny_llama, tmp_path, dtype, i
     """EagleHead.level (one native call: embeddings, fc, the stack, the draft LM head's top-k)
     gives exactly the numbers of forward() + draft_topk(), the draft KV included; it declines
     (None) where the Python path must run."""
-    from engine.attention import make_backend
-    from engine.forward_batch import SeqSpan, build_forward_batch
-    from engine.kv_cache import KVCache
-    from engine.loader import load_model
-    from engine.spec.eagle_drafter import _rotary
-    from engine.spec.eagle_head import load_eagle_head
+    from eagle_serve.engine.attention import make_backend
+    from eagle_serve.engine.forward_batch import SeqSpan, build_forward_batch
+    from eagle_serve.engine.kv_cache import KVCache
+    from eagle_serve.engine.loader import load_model
+    from eagle_serve.engine.speculative.eagle_drafter import _rotary
+    from eagle_serve.engine.speculative.eagle_head import load_eagle_head
     from tests.spec_helpers import write_eagle_head
     target = load_model(tiny_llama[0], dtype, torch.device("cpu"), skip_tokenizer=True).model
     target.prepack()

@@ -4,7 +4,7 @@ import sys
 
 
 def test_scheduler_imports_no_torch():
-    code = ("import sys, scheduler.loop, scheduler.scheduler, scheduler.block_allocator, "
+    code = ("import sys, eagle_serve.scheduler.loop, scheduler.scheduler, scheduler.block_allocator, "
             "scheduler.output_processor, engine, engine.sampling_params, engine.step_io, "
             "engine.tokenizer, engine.model_config, engine.config\n"
             "bad = [m for m in ('torch', 'numpy') if m in sys.modules]\n"

@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
-from engine.spec.config import SpecConfig
-from server.cli import main
+from eagle_serve.engine.config import EngineConfig
+from eagle_serve.engine.sampling_params import SamplingParams
+from eagle_serve.engine.speculative.config import SpecConfig
+from eagle_serve.server.cli import main
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
@@ -31,7 +31,7 @@ def test_sampling_params_refuse_wrong_types(kwargs, field):
 
 
 def test_a_lone_stop_string_is_one_stop_string(tiny_llm):
-    assert SamplingParams(stop="END").stop == ("END",)  # it was split into its characters
+    assert SamplingParams(stop="END").stop == ("END",)  # not split into its characters
     ref = tiny_llm.generate([5, 6, 7], GREEDY)[0]
     text = ref.text
     stop = text[len(text) // 2:len(text) // 2 + 2]
@@ -47,7 +47,7 @@ def test_prompt_forms_and_params_keyword(tiny_llm):
     with pytest.raises(ValueError, match="one key"):
         tiny_llm.generate({"prompt": "x", "multi_modal_data": {}}, GREEDY)
     with pytest.raises(ValueError, match="2 prompts but 0 sampling params"):
-        tiny_llm.generate([[5], [6]], [])  # was: defaults for every prompt
+        tiny_llm.generate([[5], [6]], [])  # not defaults for every prompt
     with pytest.raises(ValueError, match="not both"):
         tiny_llm.generate([5], GREEDY, sampling_params=GREEDY)
     with pytest.raises(ValueError, match="True is not an integer token id"):
@@ -58,17 +58,17 @@ def test_chat_takes_text_parts_and_refuses_a_bare_string(tiny_llm):
     plain = tiny_llm.chat([{"role": "user", "content": "hi\nthere"}], GREEDY)
     parts = tiny_llm.chat([{"role": "user", "content": [{"type": "text", "text": "hi"},
                                                          {"type": "text", "text": "there"}]}], GREEDY)
-    assert parts[0].token_ids == plain[0].token_ids  # parts reached the template as a Python repr
+    assert parts[0].token_ids == plain[0].token_ids  # parts reach the template as text
     assert len(tiny_llm.chat([[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]], GREEDY)) == 2
     with pytest.raises(ValueError, match="list of messages"):
-        tiny_llm.chat("hello", GREEDY)  # was: one conversation per character
+        tiny_llm.chat("hello", GREEDY)  # not one conversation per character
     with pytest.raises(ValueError, match="invalid message"):
         tiny_llm.chat([{"role": "robot", "content": "x"}], GREEDY)
 
 
 def test_an_error_in_the_loop_aborts_the_calls_requests(tiny_llm, monkeypatch):
-    """An exception out of the engine loop left the call's requests in it, holding KV blocks,
-    and every later call ran them again and failed the same way."""
+    """An exception out of the engine loop aborts the call's requests and frees their KV blocks,
+    so a later call does not run them again."""
     free = tiny_llm.allocator.num_free_blocks
     ref = [o.token_ids for o in tiny_llm.generate([[5, 6], [7, 8, 9]], GREEDY)]
     real, calls = tiny_llm.loop.step, []
@@ -106,7 +106,7 @@ def test_calls_from_two_threads_each_get_their_own_outputs(tiny_llm, monkeypatch
         t.start()
     for t in threads:
         t.join(60)
-    assert not errors and got == ref  # one thread's loop had finished the other's request: KeyError
+    assert not errors and got == ref  # one thread's loop may finish the other's request
 
 
 def test_ctrl_c_during_generate_aborts_it_and_the_next_call_works(tiny_llm, monkeypatch):
@@ -133,7 +133,7 @@ def test_ctrl_c_during_generate_aborts_it_and_the_next_call_works(tiny_llm, monk
 
 
 def test_a_draft_head_without_a_method_drafts_with_eagle2_and_is_refused_where_unread(tmp_path):
-    assert EngineConfig(draft=str(tmp_path)).spec.method == "eagle2"  # as the CLI infers it; was "none"
+    assert EngineConfig(draft=str(tmp_path)).spec.method == "eagle2"  # as the CLI infers it
     assert EngineConfig().spec.method == "none" and EngineConfig(spec="ngram").spec.method == "ngram"
     for method in ("ngram", "none"):
         with pytest.raises(ValueError, match="does not apply"):
@@ -144,23 +144,23 @@ def test_a_draft_head_without_a_method_drafts_with_eagle2_and_is_refused_where_u
 
 def test_cli_refuses_flags_it_would_ignore(capsys, tmp_path, tiny_llama):
     model = ["--model", tiny_llama[0], "--dtype", "float64", "--device", "cpu", "--prompt", "x"]
-    for method in ("ngram", "none"):  # --draft was accepted and ignored, even a path that does not exist
+    for method in ("ngram", "none"):  # --draft would be ignored, even a path that does not exist
         assert main(["generate", *model, "--spec", method, "--draft", "/does/not/exist"]) == 2
         assert f"--draft does not apply to --spec {method}" in capsys.readouterr().err
-    assert main(["generate", *model, "--max-num-seqs", "4"]) == 2  # generate ran one sequence whatever it said
+    assert main(["generate", *model, "--max-num-seqs", "4"]) == 2  # generate runs one sequence
     assert "--max-num-seqs does not apply to generate" in capsys.readouterr().err
-    from server.cli import build_parser  # nor does generate's --help offer it
+    from eagle_serve.server.cli import build_parser  # nor does generate's --help offer it
     gen = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["generate"]
     assert "--max-num-seqs" not in gen.format_help() and "--max-prefill-chunk" in gen.format_help()
     assert main(["generate", *model, "--spec", "eagle1", "--draft", "none", "--static-tree", str(tmp_path)]) == 2
-    assert "Is a directory" in capsys.readouterr().err  # was an IsADirectoryError traceback
+    assert "Is a directory" in capsys.readouterr().err  # named, not a traceback
 
 
 def test_max_tokens_none_generates_up_to_the_context(tiny_llm):
     ctx = tiny_llm.max_model_len
     prompt = [5 + i % 50 for i in range(ctx - 7)]
     out = tiny_llm.generate([prompt], SamplingParams(max_tokens=None, temperature=0, ignore_eos=True))[0]
-    assert len(out.token_ids) == 7 and out.finish_reason == "length"  # was: refused (max_tokens must be an integer)
+    assert len(out.token_ids) == 7 and out.finish_reason == "length"  # None: up to the context
     with pytest.raises(ValueError, match="leaves none to generate"):
         tiny_llm.generate([[5] * ctx], SamplingParams(max_tokens=None))
     with pytest.raises(ValueError, match="min_tokens is 8 but the context leaves 7"):

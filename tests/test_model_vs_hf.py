@@ -6,10 +6,10 @@ import random
 import pytest
 import torch
 
-from engine.attention import TorchAttention
-from engine.forward_batch import SeqSpan, build_forward_batch
-from engine.kv_cache import KVCache
-from engine.loader import load_model
+from eagle_serve.engine.attention import TorchAttention
+from eagle_serve.engine.forward_batch import SeqSpan, build_forward_batch
+from eagle_serve.engine.kv_cache import KVCache
+from eagle_serve.engine.loader import load_model
 from tests.conftest import write_tiny_model
 
 BLOCK = 4
@@ -109,7 +109,7 @@ def test_packed_batch_of_mixed_sequences_matches_hf(pair):
 
 
 def test_greedy_generation_matches_hf_generate(tiny_llama, tiny_llm):
-    from engine.sampling_params import SamplingParams
+    from eagle_serve.engine.sampling_params import SamplingParams
     _, hf = tiny_llama
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 320) for _ in range(n)] for n in (3, 11, 26, 40)]
@@ -123,8 +123,8 @@ def test_greedy_generation_matches_hf_generate(tiny_llama, tiny_llm):
 
 def test_a_gguf_with_rope_freqs_applies_them_as_llama3_scaling(tmp_path):
     # llama.cpp writes Llama 3.1's RoPE scaling as a rope_freqs tensor of per-frequency factors,
-    # with no rope.scaling.* keys; the loader skipped it and ran unscaled RoPE (logits off by ~5
-    # on a tiny model against HF's llama3-scaled reference)
+    # with no rope.scaling.* keys; unscaled RoPE would put the logits far from HF's llama3-scaled
+    # reference
     import math
     import numpy as np
     gguf = pytest.importorskip("gguf")
@@ -189,12 +189,12 @@ def test_a_gguf_with_rope_freqs_applies_them_as_llama3_scaling(tmp_path):
 
 
 def test_gguf_metadata_is_checked_and_end_of_turn_ids_stop(tmp_path):
-    # llama.cpp stops on a GGUF's end-of-turn / end-of-message ids: they were ignored here; a
-    # Mixtral GGUF (architecture llama), missing metadata and unknown tensors were tracebacks
+    # a GGUF's end-of-turn / end-of-message ids stop generation, as in llama.cpp; a Mixtral GGUF
+    # (architecture llama), missing metadata and unknown tensors are named, not tracebacks
     import numpy as np
     gguf = pytest.importorskip("gguf")
-    from engine.gguf_loader import gguf_config
-    from engine.model_config import UnsupportedModel
+    from eagle_serve.engine.gguf_loader import gguf_config
+    from eagle_serve.engine.model_config import UnsupportedModel
 
     def write(name, heads=True, experts=0, extra_tensor=None):
         path = str(tmp_path / name)

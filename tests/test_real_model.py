@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
-from engine.default_model import default_model_path
-from engine.sampling_params import SamplingParams
+from eagle_serve.engine.default_model import default_model_path
+from eagle_serve.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.real_model
 
@@ -26,7 +26,7 @@ def hf_model():
 
 @pytest.fixture(scope="module")
 def llm():
-    from server.llm import LLM
+    from eagle_serve.server.llm import LLM
     return LLM(None, dtype="float32", device="cpu", kv_cache_tokens=8192)
 
 
@@ -88,11 +88,11 @@ def test_bfloat16_speculative_greedy_is_bit_identical_to_plain(tree):
     SKINNY_MAX_ROWS tokens runs the native kernels, whose per-row sums do not depend on how many
     rows share a call, so EAGLE-2 greedy output equals plain greedy output token for token even
     at bfloat16 near-ties."""
-    from engine.default_model import default_draft_path
-    from engine.layers import SKINNY_MAX_ROWS
-    from engine.spec.config import SpecConfig
-    from server.llm import LLM
-    from engine import kernels
+    from eagle_serve.engine.default_model import default_draft_path
+    from eagle_serve.engine.layers import SKINNY_MAX_ROWS
+    from eagle_serve.engine.speculative.config import SpecConfig
+    from eagle_serve.server.llm import LLM
+    from eagle_serve.engine import kernels
     if kernels.native() is None:
         pytest.skip("no native kernels on this CPU")
     total, depth, top_k = tree

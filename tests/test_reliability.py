@@ -20,12 +20,12 @@ from schemathesis import GenerationMode
 from schemathesis.checks import (content_type_conformance, not_a_server_error, response_schema_conformance,
                                  status_code_conformance)
 
-from engine.sampling_params import SamplingParams
-from engine.spec.config import SpecConfig
-from server.app import BackgroundServer, ServerState
-from server.llm import LLM
-from server.metrics import parse_metrics
-from server.process import ServerProcess
+from eagle_serve.engine.sampling_params import SamplingParams
+from eagle_serve.engine.speculative.config import SpecConfig
+from eagle_serve.server.app import BackgroundServer, ServerState
+from eagle_serve.server.llm import LLM
+from eagle_serve.server.metrics import parse_metrics
+from eagle_serve.server.process import ServerProcess
 from tests.spec_helpers import write_eagle_head
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -366,7 +366,7 @@ def test_request_timeout_aborts_and_frees(tiny_llama, caplog):
 
 def test_a_timeout_during_the_last_step_is_counted_as_the_abort_the_client_saw(tiny_llama):
     # the request's one step outlasts its timeout: the client gets 408 while the step finishes the
-    # sequence; it was counted "length", a finish nobody received
+    # sequence; it counts as the abort the client saw, not as a "length" finish nobody received
     llm = tiny_llm(tiny_llama, kv_cache_tokens=1024)
     llm.runner.fault_hook = lambda steps: time.sleep(0.6)
     srv = Live(llm, request_timeout=0.3)
@@ -399,8 +399,8 @@ def test_cors_is_off_unless_configured(tiny_llama):
         assert "access-control-allow-origin" not in r.headers
     finally:
         srv.bg.stop()
-    # with an API key too: the preflight (no credentials: browsers never send them on one) got
-    # 401 and the 401 had no CORS headers; the OpenAI SDKs' X-Stainless-* headers were refused
+    # with an API key too: the preflight carries no credentials (browsers never send them on one),
+    # a 401 carries CORS headers, and the OpenAI SDKs' X-Stainless-* headers are allowed
     srv = Live(llm, allowed_origins=["https://app.example"], api_key="k")
     app = {"origin": "https://app.example"}
     try:
@@ -415,9 +415,9 @@ def test_cors_is_off_unless_configured(tiny_llama):
 
 
 def test_bodies_that_are_not_json_or_break_the_parser_are_4xx(live, caplog):
-    # any content type was read as JSON: text/plain and form bodies are sent cross-origin without
-    # a preflight, so any web page could start generations; integers past Python's 4300-digit
-    # limit (a field's value, a logit_bias key) and a client leaving mid-upload were 500s
+    # only JSON is read: text/plain and form bodies are sent cross-origin without a preflight, so
+    # reading them would let any web page start generations; integers past Python's 4300-digit
+    # limit (a field's value, a logit_bias key) and a client leaving mid-upload are 4xx, not 500
     import socket
     body = '{"model": "tiny", "prompt": "hi", "max_tokens": 2}'
     for ctype in ("text/plain", "application/x-www-form-urlencoded", None):
@@ -442,16 +442,16 @@ def test_bodies_that_are_not_json_or_break_the_parser_are_4xx(live, caplog):
 
 
 def test_stream_events_are_one_line_for_a_line_reading_client():
-    # U+2028 / U+2029 / U+0085 went out raw: SSE keeps them in the line, but a client splitting
-    # lines as Python does (httpx's iter_lines) cut the event's JSON in two
-    from server.app import _event
+    # U+2028 / U+2029 / U+0085 are escaped: SSE keeps them in the line, but a client splitting
+    # lines as Python does (httpx's iter_lines) would cut the event's JSON in two
+    from eagle_serve.server.streaming import sse_event
     text = "a\u2028b\u2029c\x85d\x1ce\x0bf\x0cg"
-    data = _event({"choices": [{"text": text}]})["data"]
+    data = sse_event({"choices": [{"text": text}]})["data"]
     assert data.splitlines() == [data] and json.loads(data)["choices"][0]["text"] == text
 
 
 def test_tokenizing_a_long_prompt_leaves_the_event_loop_free(live, monkeypatch):
-    # tokenization ran on the event loop: a long prompt stalled every stream and /health
+    # tokenization runs off the event loop: a long prompt would stall every stream and /health
     tok = live.state.tokenizer
     slow = tok.encode
 
@@ -481,7 +481,7 @@ def _serve_args(tiny_dir):
 
 
 def test_sigterm_drains_running_streams_then_exits_0(tiny_llama, tmp_path):
-    srv = ServerProcess(_serve_args(tiny_llama[0]) + ["--shutdown-timeout", "30"], str(tmp_path / "server.log"),
+    srv = ServerProcess(_serve_args(tiny_llama[0]) + ["--shutdown-timeout", "30"], str(tmp_path / "eagle_serve.server.log"),
                         startup_timeout=180)
     try:
         lines, errors = [], []
@@ -515,7 +515,7 @@ def test_sigterm_drains_running_streams_then_exits_0(tiny_llama, tmp_path):
 
 def test_sigterm_deadline_cuts_long_requests_and_still_exits_0(tiny_llama, tmp_path):
     srv = ServerProcess(_serve_args(tiny_llama[0]) + ["--shutdown-timeout", "1", "--kv-cache-tokens", "65536"],
-                        str(tmp_path / "server.log"), startup_timeout=180)
+                        str(tmp_path / "eagle_serve.server.log"), startup_timeout=180)
     try:
         started, lines, answers = threading.Event(), [], []
         body = {"model": "tiny", "prompt": ["x y"] * 8, "n": 16, "max_tokens": 400, "ignore_eos": True}
@@ -551,7 +551,7 @@ def test_sigterm_deadline_cuts_long_requests_and_still_exits_0(tiny_llama, tmp_p
             t.join(10)
         assert not any("[DONE]" in line for line in lines)  # the request was cut at the deadline
         # and told so: an error event ends the stream, the other request gets a 503 in OpenAI's
-        # shape (they had got nothing, and uvicorn's plain-text 500)
+        # shape, not uvicorn's plain-text 500
         data = [line for line in lines if line.startswith("data:")]
         assert json.loads(data[-1][5:])["error"]["code"] == "server_shutdown", lines[-3:]
         r = answers[0]
@@ -567,7 +567,7 @@ def test_short_soak_mixed_load_leaks_nothing(tiny_llama, tmp_path, head_dir):
     import soak
     srv = ServerProcess(_serve_args(tiny_llama[0]) + ["--draft", head_dir, "--spec", "eagle2", "--total-tokens", "8",
                                                        "--depth", "4", "--top-k", "3"],
-                        str(tmp_path / "server.log"), startup_timeout=180)
+                        str(tmp_path / "eagle_serve.server.log"), startup_timeout=180)
     try:
         result = soak.soak(srv.url, srv.rss_bytes, minutes=20 / 60, concurrency=6, sample_every=1.0,
                            warmup_minutes=0.1, drain_timeout=60)

@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from engine.sampler import SampleRow, choose, draw, process_logits, sample
-from engine.sampling_params import SamplingParams
+from eagle_serve.engine.sampler import SampleRow, choose, draw, process_logits, sample
+from eagle_serve.engine.sampling_params import SamplingParams
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0], dtype=torch.float64)
 
@@ -83,7 +83,7 @@ def test_top_p_keeps_exactly_the_full_sort_nucleus(spread):
     kept set is the one the whole sorted distribution gives (up to the softmax sum's rounding,
     which only top_p within ~1e-12 of 1 can see), nuclei from 1 token to most of a 49152-token
     vocabulary (past the first 256 and 2048 candidates) included."""
-    from engine.sampler import truncate
+    from eagle_serve.engine.sampler import truncate
     gen = torch.Generator().manual_seed(int(spread * 10))
     for top_p in (0.3, 0.9, 0.995):
         logits = torch.randn(49152, generator=gen, dtype=torch.float64) * spread
@@ -143,7 +143,7 @@ def test_logprobs_are_raw_log_softmax():
 def test_picks_draw_lazy_rows_when_read_and_the_rest_at_once():
     """Rows outside `lazy` (plain rounds) are drawn when Picks is built, in the round's one sync;
     a lazy row (a tree node) only when read; either way the pick is the eager sample's."""
-    from engine.sampler import Picks
+    from eagle_serve.engine.sampler import Picks
     logits = torch.randn(4, 50, dtype=torch.float64)
     rows = [SampleRow(SamplingParams(temperature=t, top_p=0.9, seed=s), s, 3, [])
             for t, s in ((0.8, 1), (0, 2), (1.2, 3), (0.5, 4))]

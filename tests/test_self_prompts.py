@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from engine.sampling_params import SamplingParams
-from engine.train.data import load_conversations, render
+from eagle_serve.engine.sampling_params import SamplingParams
+from eagle_serve.engine.train.data import load_conversations, render
 from scripts.self_prompts import answer, user_prefix, write_prompts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -65,8 +65,8 @@ def test_cli_rejects_a_bad_count(tmp_path):
 
 
 def test_cli_checks_its_arguments_before_loading_the_model(tmp_path):
-    """These failed only after the model loaded, some after every prompt and answer was generated
-    (an --out in a missing directory), or wrote an empty file with exit 0 (impossible filters)."""
+    """Bad arguments are refused before the model loads, not after every prompt and answer is
+    generated (an --out in a missing directory), and impossible filters are not an empty file."""
     for args, said in ((["--out", str(tmp_path / "no" / "x.jsonl")], "no such directory"),
                        (["--answer-max-tokens", "0"], "--answer-max-tokens must be >= 1"),
                        (["--temperature", "-1"], "--temperature must be"),
@@ -81,7 +81,7 @@ def test_cli_checks_its_arguments_before_loading_the_model(tmp_path):
 
 def test_sharegpt_instructions_refuses_counts_it_cannot_honour(tmp_path):
     for args, said in ((["--count", "0"], "--count must be >= 1"), (["--count", "-3"], "--count must be >= 1"),
-                       (["--after", "-1", "--count", "3"], "--after must be >= 0")):  # each wrote one row
+                       (["--after", "-1", "--count", "3"], "--after must be >= 0")):  # refused, not one row written
         r = subprocess.run([sys.executable, "scripts/sharegpt_instructions.py", *args, "--out", str(tmp_path / "x.jsonl")],
                            cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and said in r.stderr and not (tmp_path / "x.jsonl").exists()

@@ -14,12 +14,13 @@ import httpx2 as httpx
 import openai
 import pytest
 
-from engine.spec.config import SpecConfig
-from engine.step_io import TokenLogprobs
-from engine.tokenizer import Tokenizer
-from server.app import BackgroundServer, ServerState, _completion_logprobs, _TextOffsets
-from server.llm import LLM
-from server.metrics import parse_metrics
+from eagle_serve.engine.speculative.config import SpecConfig
+from eagle_serve.engine.step_io import TokenLogprobs
+from eagle_serve.engine.tokenizer import Tokenizer
+from eagle_serve.server.app import BackgroundServer, ServerState
+from eagle_serve.server.llm import LLM
+from eagle_serve.server.metrics import parse_metrics
+from eagle_serve.server.responses import TextOffsets, completion_logprobs
 from tests.spec_helpers import write_eagle_head
 
 
@@ -85,7 +86,7 @@ def test_chat_and_completion_plain_and_streaming_agree(client):
     assert echo.choices[0].text == "the quick brown" + comp.choices[0].text
     ids = client.completions.create(prompt=[[5, 6, 7], [8, 9]], **kw)
     assert len(ids.choices) == 2 and ids.usage.prompt_tokens == 5
-    # echo gives the prompt as sent, special tokens included (decoding had dropped them), and
+    # echo gives the prompt as sent, special tokens included (decoding would drop them), and
     # token ids as the model read them, per prompt and for each of its n choices
     marked = "<|im_start|>user\nthe quick<|im_end|>\n"
     for prompt, opening in ((["the", marked], ["the", "the", marked, marked]),
@@ -145,7 +146,7 @@ def test_logprobs_both_shapes(client):
                                      extra_body={"ignore_eos": True})
     lp = comp.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 4
-    # keys are distinct (a partial character is keyed by its bytes: they had merged into one
+    # keys are distinct (a partial character is keyed by its bytes, not merged into one
     # "\ufffd"), and the sampled token is always among them, even where it is not in the top n
     assert lp.text_offset[0] == 0 and all(len(t) == 2 for t in lp.top_logprobs), lp.top_logprobs
     assert all(max(t.values()) == pytest.approx(v) for t, v in zip(lp.top_logprobs, lp.token_logprobs))  # greedy
@@ -176,12 +177,12 @@ def test_text_offset_counts_a_character_split_over_tokens_once():
 
     state = type("S", (), {"tokenizer": Tok()})()
     lps = [TokenLogprobs(-0.1, [])] * 3
-    assert _completion_logprobs(state, [1, 2, 3], lps, _TextOffsets())["text_offset"] == [0, 0, 1]  # text "🔥a"
-    offsets = _TextOffsets(5)  # after a 5-character echo, over two chunks (a stream's)
-    assert _completion_logprobs(state, [3, 1], lps[:2], offsets)["text_offset"] == [5, 6]
-    assert _completion_logprobs(state, [2, 3], lps[:2], offsets)["text_offset"] == [6, 7]
+    assert completion_logprobs(state, [1, 2, 3], lps, TextOffsets())["text_offset"] == [0, 0, 1]  # text "🔥a"
+    offsets = TextOffsets(5)  # after a 5-character echo, over two chunks (a stream's)
+    assert completion_logprobs(state, [3, 1], lps[:2], offsets)["text_offset"] == [5, 6]
+    assert completion_logprobs(state, [2, 3], lps[:2], offsets)["text_offset"] == [6, 7]
     # the text leaves special tokens out (skip_special_tokens): "a<|im_start|>a" is "aa"
-    assert _completion_logprobs(state, [3, 4, 3], lps, _TextOffsets())["text_offset"] == [0, 1, 1]
+    assert completion_logprobs(state, [3, 4, 3], lps, TextOffsets())["text_offset"] == [0, 1, 1]
 
 
 def test_logprobs_with_speculation_equal_without(tiny_llama, server):
@@ -249,7 +250,7 @@ def test_errors_have_openai_shape_and_status(server, client):
     assert s == 400 and e["param"] == "response_format"
     s, e = _error(lambda: client.completions.create(model="tiny", prompt="x" * 3000, max_tokens=5))
     assert s == 400 and e["code"] == "context_length_exceeded"
-    # a later prompt too long: nothing was added (the earlier ones were, then counted as aborted)
+    # a later prompt too long: no prompt of the request is added, so none is counted as aborted
     before = server.metrics()
     s, e = _error(lambda: client.completions.create(model="tiny", prompt=["the quick", "x" * 3000], max_tokens=5, n=2))
     assert s == 400 and e["code"] == "context_length_exceeded"
@@ -289,7 +290,7 @@ def test_errors_have_openai_shape_and_status(server, client):
     again = httpx.post(server.url + "/v1/chat/completions", json={"model": "tiny", "messages": MSG, "max_tokens": 3,
                                                                  "n": 2, "seed": 7, "temperature": 1, "ignore_eos": True})
     assert [c["message"] for c in r.json()["choices"]] == [c["message"] for c in again.json()["choices"]]
-    # an unknown route or method: the same shape (it was FastAPI's {"detail": ...})
+    # an unknown route or method: the same shape, not FastAPI's {"detail": ...}
     for r, status in ((httpx.get(server.url + "/v1/nope"), 404), (httpx.get(server.url + "/v1/chat/completions"), 405)):
         assert r.status_code == status and set(r.json()["error"]) == {"message", "type", "param", "code"}
     # nulls and defaults are accepted
@@ -363,12 +364,12 @@ def test_metrics_are_consistent_with_responses(tiny_llama, head_dir):
             assert m[f'eagle_serve_decode_batch_size_sum{{mode="{mode}"}}'] == steps
             assert m[f'eagle_serve_decode_batch_size_bucket{{le="1.0",mode="{mode}"}}'] == steps
         assert m['eagle_serve_decode_steps_total{mode="spec"}'] > 0
-        # the steps that sampled a prompt's first token were counted as plain decode steps and
-        # size-1 trees: decode steps give every token but each request's first
+        # the steps that sample a prompt's first token are not plain decode steps nor size-1
+        # trees: decode steps give every token but each request's first
         plain = m['eagle_serve_decode_steps_total{mode="plain"}']
         assert m["eagle_serve_spec_acceptance_length_sum"] + plain == total - 3
         assert m["eagle_serve_spec_tree_tokens_count"] == m["eagle_serve_spec_verify_steps_total"] + plain
-        # a stream's tokens are counted as they are committed (they were counted at its end)
+        # a stream's tokens are counted as they are committed, not at its end
         kw = dict(model="tiny", prompt="the quick", max_tokens=120, temperature=0, extra_body={"ignore_eos": True})
         llm.runner.fault_hook = lambda steps: time.sleep(0.01)
         try:
@@ -420,7 +421,7 @@ def test_disconnect_aborts_and_frees_blocks_and_health_turns_503(tiny_llama):
         settled(1)
         # a client that disconnects from a non-streaming request aborts it too (each round slowed
         # to 5 ms: 400 tokens would take 2 s, the abort comes within one 0.5 s poll). Through
-        # @app.middleware("http") the disconnect never showed and the request ran to its end.
+        # @app.middleware("http") the disconnect would never show and the request run to its end.
         llm.runner.fault_hook = lambda steps: time.sleep(0.005)
         try:
             httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 400,
@@ -428,11 +429,10 @@ def test_disconnect_aborts_and_frees_blocks_and_health_turns_503(tiny_llama):
         except httpx.TimeoutException:
             pass
         settled(2)
-        # and quietly: a CancelledError out of the endpoint logged a traceback at every disconnect
+        # and quietly: a CancelledError out of the endpoint would log a traceback at every disconnect
         assert not [r for r in asgi_errors.records if "Exception in ASGI application" in r.getMessage()]
-        # a chat stream of n = 2 choices whose client is gone before reading anything: both
-        # aborted (its opening chunks, a role delta per choice, came before the cleanup that
-        # aborts: both ran to their end)
+        # a chat stream of n = 2 choices whose client is gone before reading anything: both are
+        # aborted (its opening chunks, a role delta per choice, come before the cleanup that aborts)
         host, port = srv.url.split("//")[1].split(":")
         body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 400,
                            "ignore_eos": True, "stream": True, "n": 2, "temperature": 1}).encode()
@@ -456,7 +456,7 @@ def test_disconnect_aborts_and_frees_blocks_and_health_turns_503(tiny_llama):
 
 def test_a_crashed_engine_loop_ends_and_counts_its_requests(tiny_llama):
     # a bug in the loop itself (here: its output step raising) fails every request with 503; the
-    # requests also stayed running / waiting in the gauges and were never counted as finished
+    # requests leave the running / waiting gauges and are counted as finished
     llm = LLM(tiny_llama[0], dtype="float64", device="cpu", kv_cache_tokens=1024, block_size=4, max_num_seqs=1)
     srv = LiveServer(llm, served_model_name="tiny")
     try:
@@ -508,7 +508,7 @@ def test_real_default_model_chat(tmp_path):
 
 
 def test_serve_flags_from_environment(monkeypatch):
-    from server.cli import build_parser
+    from eagle_serve.server.cli import build_parser
     monkeypatch.setenv("EAGLE_SERVE_PORT", "9123")
     monkeypatch.setenv("EAGLE_SERVE_HOST", "0.0.0.0")
     monkeypatch.setenv("EAGLE_SERVE_FIXED_TREE", "true")
@@ -519,8 +519,8 @@ def test_serve_flags_from_environment(monkeypatch):
 
 
 def test_serve_draft_resolution(tmp_path):
-    from engine.default_model import default_draft_path
-    from server.cli import build_parser, resolve_draft
+    from eagle_serve.engine.default_model import default_draft_path
+    from eagle_serve.server.cli import build_parser, resolve_draft
     p = build_parser()
     assert resolve_draft(p.parse_args(["serve"])) == default_draft_path()  # the shipped head, if any
     assert resolve_draft(p.parse_args(["serve", "--draft", "none"])) is None
@@ -531,10 +531,10 @@ def test_serve_draft_resolution(tmp_path):
 
 
 def test_request_latency_histograms_reach_past_a_minute():
-    """A request ran longer than the latency histogram's top bucket (80 s, the inter-token
-    scale) read as 80 s in every quantile above it."""
+    """The latency histograms' buckets reach past a minute: a top bucket at 80 s (the inter-token
+    scale) would read a longer request as 80 s in every quantile above it."""
     from prometheus_client import generate_latest
-    from server.metrics import Metrics
+    from eagle_serve.server.metrics import Metrics
     m = Metrics(lambda: 0, lambda: 0, lambda: 0.0, max_depth=1)
     m.latency.observe(300.0)
     m.ttft.observe(150.0)
@@ -546,15 +546,14 @@ def test_request_latency_histograms_reach_past_a_minute():
 
 def test_inter_token_latency_is_the_engines_not_the_readers():
     """A stream whose reader falls behind pulls queued outputs in a burst: timed when read, the
-    gaps were ~0 for the burst and one long one; they are the engine's, as its outputs say."""
+    gaps would be ~0 for the burst and one long one; they are the engine's, as its outputs say."""
     import dataclasses
     import time as time_mod
-    from server.app import _Tracker
-    from server.metrics import Metrics
-    from scheduler.output_processor import RequestOutput
-    from scheduler.sequence import SpecStats
+    from eagle_serve.server.metrics import LatencyTracker, Metrics
+    from eagle_serve.scheduler.output_processor import RequestOutput
+    from eagle_serve.scheduler.sequence import SpecStats
     m = Metrics(lambda: 0, lambda: 0, lambda: 0.0, max_depth=1)
-    tracker = _Tracker(type("State", (), {"metrics": m})())
+    tracker = LatencyTracker(m)
     base = RequestOutput(seq_id=7, prompt_token_ids=[1], token_ids=[], text="", text_delta="", finished=False,
                          finish_reason=None, stop_reason=None, logprobs=None, arrival_time=0.0, first_token_time=0.5,
                          finish_time=None, spec=SpecStats(0, 0, 0, []))

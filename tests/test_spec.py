@@ -6,14 +6,14 @@ import random
 import pytest
 import torch
 
-from engine import kernels
-from engine.forward_batch import SeqSpan, build_forward_batch
-from engine.layers import Linear
-from engine.sampling_params import SamplingParams
-from engine.spec.accept import walk
-from engine.spec.config import SpecConfig
-from engine.spec.tree import Candidates, build_tree, chain, from_paths, select_best
-from server.llm import LLM
+from eagle_serve.engine import kernels
+from eagle_serve.engine.forward_batch import SeqSpan, build_forward_batch
+from eagle_serve.engine.layers import Linear
+from eagle_serve.engine.sampling_params import SamplingParams
+from eagle_serve.engine.speculative.accept import walk
+from eagle_serve.engine.speculative.config import SpecConfig
+from eagle_serve.engine.speculative.tree import Candidates, build_tree, chain, from_paths, select_best
+from eagle_serve.server.llm import LLM
 from tests.spec_helpers import OracleDrafter, write_eagle_head
 
 KW = dict(dtype="float64", device="cpu", kv_cache_tokens=4096, block_size=4, tree_budget=False)  # fixed trees
@@ -60,7 +60,7 @@ def test_compaction_moves_accepted_nodes_as_one_gather_and_scatter_would(nodes):
     # single advanced-index gather then scatter leaves (every source read before any write)
     from types import SimpleNamespace
 
-    from engine.model_runner import ModelRunner
+    from eagle_serve.engine.model_runner import ModelRunner
     data = torch.randn(2, 2, 32, 3, 4, dtype=torch.float64)
     table, root, bs = [5, 2, 7], 5, 4  # root at position 5: nodes spill from block 2 into block 7
     slot = lambda p: table[p // bs] * bs + p % bs  # noqa: E731
@@ -74,7 +74,7 @@ def test_compaction_moves_accepted_nodes_as_one_gather_and_scatter_would(nodes):
 
 
 def test_take_rows_views_consecutive_rows_and_gathers_the_rest():
-    from engine.forward_batch import take_rows
+    from eagle_serve.engine.forward_batch import take_rows
     t = torch.arange(40.0).view(10, 4)
     for rows in ([3], [3, 4], [2, 3, 4, 5], [4, 3], [1, 0, 2], [0, 2], [5, 1, 2, 3], [0, 2, 1, 3]):
         got = take_rows(t, rows)
@@ -141,8 +141,8 @@ def test_pending_pairs_reach_the_head_whatever_the_rounds_and_batches(tiny_llama
     """The feature cache: pairs observed for two sequences at once and one by one, over blocks
     out of order, some consumed by a catch-up forward (more than CATCHUP_SPLIT pending), give
     the same first-level draft as the head run along each sequence alone."""
-    from engine.spec.eagle_drafter import CATCHUP_SPLIT
-    from engine.step_io import SeqStep
+    from eagle_serve.engine.speculative.eagle_drafter import CATCHUP_SPLIT
+    from eagle_serve.engine.step_io import SeqStep
     llm = LLM(tiny_llama[0], draft=head_dir, spec=SpecConfig("eagle2", total_tokens=4, depth=1, top_k=3), **KW)
     drafter, target = llm.runner.drafter, llm.runner.model
     rng = random.Random(7)
@@ -183,7 +183,7 @@ def test_a_prefix_cache_hit_drafts_as_if_the_prefix_were_computed(tiny_llama, he
     prefix's pairs (its head KV there written) or not (A decoded plainly: the head's KV there is
     whatever the slots held before, so B consumes them itself), B's first-level draft equals
     the head run along B alone; where A wrote them, B leaves A's head KV as it was."""
-    from engine.step_io import SeqStep
+    from eagle_serve.engine.step_io import SeqStep
     llm = LLM(tiny_llama[0], draft=head_dir, spec=SpecConfig("eagle2", total_tokens=4, depth=1, top_k=3), **KW)
     drafter, target = llm.runner.drafter, llm.runner.model
     rng = random.Random(11)
@@ -227,8 +227,8 @@ def test_a_prefix_cache_hit_drafts_as_if_the_prefix_were_computed(tiny_llama, he
 def test_kv_budget_on_the_cpu_counts_the_heads_kv_and_feature_cache(tiny_llama, head_dir, monkeypatch):
     """Sized from memory, an engine with a head gets fewer KV blocks, by the head's one-layer
     KV and feature row per token; its feature cache is as wide as the budget counted."""
-    import engine.model_runner as mr
-    from engine.gpu_memory import draft_feature_width, kv_bytes_per_token
+    import eagle_serve.engine.model_runner as mr
+    from eagle_serve.engine.gpu_memory import draft_feature_width, kv_bytes_per_token
     monkeypatch.setattr(mr, "_memory_bytes", lambda device: 1 << 22)
     kw = {**KW, "kv_cache_tokens": None, "kv_cache_memory_fraction": 0.5, "max_num_seqs": 4096}
     plain_llm = LLM(tiny_llama[0], **kw)
@@ -247,7 +247,7 @@ def llm_first_tokens(llm, prompt, n):
 
 def sequential_score(head, target, drafter, tokens, feats, path):
     """Pairs (x_{j+1}, f_j) for the true prefix, then the path's pairs on predicted features."""
-    from engine.kv_cache import KVCache
+    from eagle_serve.engine.kv_cache import KVCache
     cfg = head.config
     kv = KVCache(1, 64, 4, cfg.num_kv_heads, cfg.head_dim, torch.float64, torch.device("cpu"))
     blocks = list(range(64))
@@ -331,7 +331,7 @@ def test_sampled_trees_draw_only_the_nodes_the_walk_reads(tiny_llama, plain, hea
     """A sampled request's tree is verified by drawing (top-p sort, noise) only at the nodes the
     acceptance walk reaches, at most depth + 1 a round, not at all 20 nodes; the output is the
     same seeded plain output, logprobs included."""
-    import engine.sampler as sampler
+    import eagle_serve.engine.sampler as sampler
     draws, noises, real_truncate, real_noise = [], [], sampler.truncate, sampler.gumbel_noise
     monkeypatch.setattr(sampler, "truncate", lambda *a: draws.append(1) or real_truncate(*a))
     monkeypatch.setattr(sampler, "gumbel_noise", lambda *a: noises.append(a[:2]) or real_noise(*a))
@@ -398,7 +398,7 @@ def test_eagle_on_a_model_without_head_is_a_clear_error(tiny_llama):
 
 
 def test_head_fixture_with_published_names_loads_and_mismatch_errors(tiny_llama, tmp_path):
-    from engine.loader import ModelLoadError
+    from eagle_serve.engine.loader import ModelLoadError
     bad = write_eagle_head(str(tmp_path / "wide"), tiny_llama[0], hidden=96, stray_embed=False)
     with pytest.raises(ModelLoadError, match="does not fit the target"):
         LLM(tiny_llama[0], draft=bad, spec=SpecConfig("eagle2"), **KW)
@@ -428,12 +428,12 @@ def test_float32_native_paths_speculative_equals_plain(tiny_llama):
         assert sum(o.spec.accepted_tokens for o in outs) > 20
 
 
-# ---- the context's end and one-token prompt chunks (found by a review, session 27) -----------
+# ---- the context's end and one-token prompt chunks -------------------------------------------
 
 def test_trees_at_the_context_end_never_write_outside_their_blocks(tiny_llama, head_dir):
-    # Q runs to max_model_len with a 20-token tree: its last rounds had fewer slots reserved than
-    # a tree writes, and positions past its block table landed in block 0, P's (or the prefix
-    # cache's): P's greedy output changed, batched beside Q and in a later call alone
+    # Q runs to max_model_len with a 20-token tree: its last rounds reserve every slot a tree
+    # writes, so no position past its block table lands in block 0, P's (or the prefix cache's):
+    # P's greedy output stays the same, batched beside Q and in a later call alone
     spec = SpecConfig("eagle2", total_tokens=20, depth=5, top_k=4)
     greedy = lambda n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)  # noqa: E731
     p, q = [5, 6, 7, 8, 9, 10, 11, 12, 13], list(range(20, 60))
@@ -458,9 +458,9 @@ def test_a_span_past_its_block_table_is_refused():
 
 @pytest.mark.parametrize("method", ["ngram", "eagle2"])
 def test_one_token_prompt_chunks_are_not_drafted(tiny_llama, head_dir, method):
-    # a prefill budget with one token of room scheduled a one-token chunk of a longer prompt,
-    # which was drafted as a decoding step: ngram's output changed, eagle2 failed ("1 observed
-    # tokens with 8 feature rows") or, batched, wrote its tree past its one reserved slot
+    # a prefill budget with one token of room schedules a one-token chunk of a longer prompt,
+    # which is a prompt chunk, not a decoding step: drafting on it would change ngram's output
+    # and make eagle2 write a tree past its one reserved slot
     greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     batch = [[11, 12, 13, 14, 15, 16, 17, 18, 19], [5, 6, 7, 8] * 6]
     want = [o.token_ids for o in LLM(tiny_llama[0], **KW).generate(batch, greedy)]
@@ -478,7 +478,7 @@ def test_one_token_prompt_chunks_are_not_drafted(tiny_llama, head_dir, method):
     assert [o.token_ids for o in tight.generate(five, greedy)] == want
 
 
-# ---- int8 draft-head weights (session 36) ----------------------------------------------------
+# ---- int8 draft-head weights ------------------------------------------------------------------
 
 @pytest.mark.skipif(kernels.native() is None, reason="no native kernels on this CPU or no compiler")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -526,7 +526,7 @@ def test_int8_draft_head_keeps_speculation_lossless(tiny_llama, head_dir, dtype)
 
 
 def test_draft_quantization_is_checked(tiny_llama, head_dir):
-    from engine.config import EngineConfig
+    from eagle_serve.engine.config import EngineConfig
     with pytest.raises(ValueError, match="draft_quantization must be one of"):
         EngineConfig(draft=head_dir, draft_quantization="fp8")
     with pytest.raises(ValueError, match="applies to an EAGLE draft head"):
@@ -555,7 +555,7 @@ def test_w8a8_is_refused_where_the_kernels_have_no_vnni(tiny_llama, head_dir, mo
             **dict(KW, dtype="float32"))
 
 
-# ---- the native draft tree (session 37) ------------------------------------------------------
+# ---- the native draft tree --------------------------------------------------------------------
 
 @pytest.mark.skipif(kernels.native() is None, reason="no native kernels on this CPU or no compiler")
 @pytest.mark.parametrize("dtype, quant", [("float32", "none"), ("float32", "int8"), ("bfloat16", "int8")])
@@ -620,7 +620,7 @@ def test_catch_ups_in_native_chunks_write_the_heads_kv_and_keep_outputs(tiny_lla
     of the native head stack's rows, a long one in one forward: the head's KV at those pairs is
     the one-forward catch-up's (to float32 rounding: other kernels) and outputs stay plain
     decoding's."""
-    from engine.spec.eagle_drafter import CATCHUP_CHUNKED_MAX
+    from eagle_serve.engine.speculative.eagle_drafter import CATCHUP_CHUNKED_MAX
     kw = dict(KW, dtype="float32")
     spec = SpecConfig("eagle2", total_tokens=6, depth=3, top_k=2)
     rng = random.Random(3)

@@ -1,5 +1,5 @@
 """Sampled speculative decoding follows the target distribution exactly, and the statistical
-test used to show it rejects the classic wrong acceptance rules.
+test that shows it rejects the classic wrong acceptance rules.
 
 A tiny-vocabulary float64 model (V = 8) makes the exact joint distribution of output tokens
 2 and 3 computable by enumeration. Token 1 comes from the prefill; tokens 2..3 come from verify
@@ -15,10 +15,10 @@ import random
 import pytest
 import torch
 
-from engine.forward_batch import SeqSpan, build_forward_batch
-from engine.sampling_params import SamplingParams
-from engine.spec.config import SpecConfig
-from server.llm import LLM
+from eagle_serve.engine.forward_batch import SeqSpan, build_forward_batch
+from eagle_serve.engine.sampling_params import SamplingParams
+from eagle_serve.engine.speculative.config import SpecConfig
+from eagle_serve.server.llm import LLM
 from tests.conftest import write_tiny_model
 from tests.spec_helpers import write_eagle_head
 

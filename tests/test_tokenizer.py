@@ -7,7 +7,7 @@ import json
 import pytest
 from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from engine.tokenizer import IncrementalDetokenizer, TemplateError, Tokenizer
+from eagle_serve.engine.tokenizer import IncrementalDetokenizer, TemplateError, Tokenizer
 from tests.conftest import build_tokenizer
 
 CORPUS = ["the quick brown fox jumps over the lazy dog", "speculative decoding verifies a draft tree",
@@ -39,8 +39,8 @@ def sentencepiece_like(style: str) -> HFTokenizer:
 
 @pytest.mark.parametrize("style", ["replace", "metaspace"])
 def test_token_bytes_of_a_sentencepiece_tokenizer(style):
-    # GPT-2's byte alphabet holds printable ASCII and Latin-1: read through it, "é" was one byte
-    # 0xE9 and a byte-fallback piece "<0x0A>" the six characters of its name
+    # GPT-2's byte alphabet holds printable ASCII and Latin-1: read through it, "é" would be one
+    # byte 0xE9 and a byte-fallback piece "<0x0A>" the six characters of its name
     tok = Tokenizer(sentencepiece_like(style))
     text = "wörld\n你 é"
     ids = tok.encode(text, add_special_tokens=False)
@@ -56,8 +56,8 @@ def test_token_bytes_of_a_byte_level_tokenizer():
 
 
 def test_a_prompt_that_ends_inside_a_character_loses_nothing_when_streamed():
-    # the seed window ended in U+FFFD; the output token completing the character decoded to a
-    # text no longer than that, was held back, then sliced past: its bytes were dropped
+    # the seed window ends in U+FFFD; the output token completing the character decodes to a
+    # text no longer than that, and is held back, not sliced past: its bytes reach the stream
     tok = Tokenizer(build_tokenizer(320))
     ids = tok.encode("hi 🔥🔥 ok then", add_special_tokens=False)
     cuts = [k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith("\ufffd")]
@@ -71,22 +71,22 @@ def test_a_prompt_that_ends_inside_a_character_loses_nothing_when_streamed():
 def test_the_template_environment_matches_hf():
     tok = Tokenizer(build_tokenizer(320))
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
-    # {% generation %} (HF's training-mask tag) renders its body: such templates had not compiled
+    # {% generation %} (HF's training-mask tag) renders its body, so such templates compile
     tok.chat_template = "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}{{ m.content }}" \
                         "{% endgeneration %}{% else %}{{ m.content }}{% endif %}{% endfor %}"
     assert tok.apply_chat_template(msgs, add_generation_prompt=False) == "hiyo"
     # tojson's options as HF passes them
     tok.chat_template = "{{ {'b': 1, 'a': 2} | tojson(sort_keys=True) }}|{{ {'b': 1} | tojson(separators=(',', ':')) }}"
     assert tok.apply_chat_template(msgs) == '{"a": 2, "b": 1}|{"b":1}'
-    # a template's own error (not jinja's) is the request's error, not a crash (it was a 500)
+    # a template's own error (not jinja's) is the request's error, not a crash (a 500)
     tok.chat_template = "{{ messages[0].content + 1 }}"
     with pytest.raises(TemplateError, match="TypeError"):
         tok.apply_chat_template(msgs)
 
 
 def test_a_prompt_ending_in_a_real_replacement_character_keeps_its_context():
-    # the seed's trim judged by the text emptied a seed of real U+FFFD characters, and a
-    # SentencePiece decoder that strips a leading space then dropped the output's first space
+    # a seed of real U+FFFD characters is not trimmed away as a partial character, so a
+    # SentencePiece decoder that strips a leading space keeps the output's first space
     tok = Tokenizer(sentencepiece_like("replace"))
     for prompt in ("the dog \ufffd", "the dog \ufffd\ufffd"):
         p = tok.encode(prompt, add_special_tokens=False)
@@ -111,8 +111,8 @@ def test_byte_fallback_output_after_multibyte_prompt_text_is_streamed_whole(prom
 
 
 def test_a_seed_of_only_continuation_bytes_keeps_its_context():
-    # (the trim above emptied such a seed, and SentencePiece's decoder then dropped the output's
-    # leading space: a token-id prompt cut inside a run of multi-byte characters)
+    # (an emptied seed would let SentencePiece's decoder drop the output's leading space: a
+    # token-id prompt cut inside a run of multi-byte characters)
     tok = Tokenizer(sentencepiece_like("replace"))
     p = tok.encode("🔥🔥🔥", add_special_tokens=False)[:-2]
     out = tok.encode(" the dog", add_special_tokens=False)
@@ -122,9 +122,9 @@ def test_a_seed_of_only_continuation_bytes_keeps_its_context():
 
 
 def test_template_variables_and_special_token_files_match_hf(tmp_path):
-    # tools / documents were undefined (so `tools is not none` held), pad / unk tokens missing,
-    # special_tokens_map.json never read (bos / eos empty and eos not a stop id), a broken
-    # tokenizer.json a bare "Exception" traceback and a malformed tokenizer_config.json unnamed
+    # tools / documents are defined (none, so `tools is not none` is false), pad / unk tokens
+    # and special_tokens_map.json are read (bos / eos, eos a stop id), and a broken tokenizer.json
+    # or a malformed tokenizer_config.json is named, not a bare "Exception" traceback
     from transformers import AutoTokenizer
     build_tokenizer(320).save(str(tmp_path / "tokenizer.json"))
     msgs = [{"role": "user", "content": "hi"}]

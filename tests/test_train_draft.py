@@ -11,11 +11,13 @@ import time
 import pytest
 import torch
 
-from engine.sampling_params import SamplingParams
-from engine.spec.config import SpecConfig
-from engine.train.data import DataError, _json_array_items, load_conversations, render
-from engine.train.trainer import TrainConfig, train_draft
-from server.llm import LLM
+from eagle_serve.engine.sampling_params import SamplingParams
+from eagle_serve.engine.speculative.config import SpecConfig
+from eagle_serve.engine.train.data import DataError, _json_array_items, load_conversations, render
+from eagle_serve.engine.train.config import TrainConfig
+from eagle_serve.engine.train.trainer import train_draft
+from eagle_serve.server.cli import regeneration_llm
+from eagle_serve.server.llm import LLM
 from tests.spec_helpers import write_eagle_head
 
 WORDS = "the quick brown fox jumps over the lazy dog speculative decoding verifies a draft tree".split()
@@ -71,7 +73,7 @@ def test_bad_data_is_a_clear_error(tmp_path, tiny_llama):
     with pytest.raises(DataError, match="no such file"):
         load_conversations(str(tmp_path / "missing.jsonl"))
     # bytes that are not UTF-8 name their line; a lone surrogate (valid JSON, no UTF-8) skips its
-    # conversation, as other unusable ones are skipped (both crashed inside the tokenizer)
+    # conversation, as other unusable ones are skipped (the tokenizer cannot take either)
     latin = tmp_path / "latin.jsonl"
     latin.write_bytes(b'[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]\n'
                       b'[{"role": "user", "content": "caf\xe9"}, {"role": "assistant", "content": "yo"}]\n')
@@ -111,11 +113,11 @@ def test_truncated_sharegpt_array_is_read_up_to_the_cut():
 
 
 def test_training_lowers_loss_and_saved_head_reloads_identically(tiny_llama, tmp_path):
-    from engine.attention import TorchAttention
-    from engine.forward_batch import SeqSpan, build_forward_batch
-    from engine.kv_cache import KVCache
-    from engine.spec.eagle_head import load_eagle_head
-    from engine.train.head import TrainHead
+    from eagle_serve.engine.attention import TorchAttention
+    from eagle_serve.engine.forward_batch import SeqSpan, build_forward_batch
+    from eagle_serve.engine.kv_cache import KVCache
+    from eagle_serve.engine.speculative.eagle_head import load_eagle_head
+    from eagle_serve.engine.train.head import TrainHead
     data = write_jsonl(tmp_path / "d.jsonl", 40)
     out = str(tmp_path / "head")
     card = train_draft(TrainConfig(model=tiny_llama[0], out=out, data=data, max_len=128, epochs=3, lr=3e-3,
@@ -182,10 +184,10 @@ def test_trained_head_beats_a_random_head(tmp_path):
     model.save_pretrained(target)
     data = write_jsonl(tmp_path / "d.jsonl", 160, seed=5)
     out = str(tmp_path / "head")
-    card = train_draft(TrainConfig(model=target, out=out, data=data, max_len=160, epochs=30, lr=5e-3,
-                                   batch_tokens=2048, warmup_steps=5, dtype="float64", progress=False,
-                                   regenerate=True, regen_max_tokens=48, heldout_fraction=0.1, snapshots=0,
-                                   noise=0.02), log=lambda m: None)
+    cfg = TrainConfig(model=target, out=out, data=data, max_len=160, epochs=30, lr=5e-3, batch_tokens=2048,
+                      warmup_steps=5, dtype="float64", progress=False, regenerate=True, regen_max_tokens=48,
+                      heldout_fraction=0.1, snapshots=0, noise=0.02)
+    card = train_draft(cfg, log=lambda m: None, open_llm=lambda: regeneration_llm(cfg))
     hist = card["history"]
     assert hist[-1]["heldout_loss"] <= 0.5 * hist[0]["heldout_loss"]
     random_head = write_eagle_head(str(tmp_path / "random"), target)
@@ -208,41 +210,41 @@ def test_trained_head_beats_a_random_head(tmp_path):
     assert trained >= rnd + 0.5, (trained, rnd)
 
 
-def test_regeneration_keeps_ids_and_resumes(tiny_llama, tmp_path, monkeypatch):
-    from engine.train import trainer
+def test_regeneration_keeps_ids_and_resumes(tiny_llama, tmp_path):
+    from eagle_serve.engine.train.regenerate import regenerate
     convs = load_conversations(str(write_jsonl(tmp_path / "d.jsonl", 3, seed=4, turns=2)))
     cfg = TrainConfig(model=tiny_llama[0], out=str(tmp_path / "o"), data="x", regenerate=True, regen_max_tokens=6,
                       dtype="float64", progress=False, max_len=64, batch_tokens=64)
     os.makedirs(cfg.out)
-    first = trainer.regenerate(cfg, convs, log=lambda m: None)
+    first = regenerate(cfg, convs, log=lambda m: None, open_llm=lambda: regeneration_llm(cfg))
     answers = [m for c in first for m in c if m["role"] == "assistant"]
     assert len(answers) == 6 and all(1 <= len(m["token_ids"]) <= 6 for m in answers)
     llm = LLM(tiny_llama[0], dtype="float64", device="cpu", kv_cache_tokens=1024, block_size=4)
     ex = render(llm.tokenizer, first[0], max_len=1000)
     turn = first[0][1]["token_ids"]
     assert any(ex.ids[i:i + len(turn)] == turn for i in range(len(ex.ids)))  # the ids themselves, not re-encoded
-    monkeypatch.setattr("server.llm.LLM", lambda *a, **k: (_ for _ in ()).throw(AssertionError("regenerated again")))
-    assert trainer.regenerate(cfg, convs, log=lambda m: None) == first  # resumed from regenerated.jsonl
-    monkeypatch.undo()
-    # a run stopped mid-write (Ctrl-C exits at once) left a partial last line: the resume failed
-    # in json.loads; the line is dropped and its conversation regenerated
+    def no_llm():
+        raise AssertionError("regenerated again")
+    assert regenerate(cfg, convs, log=lambda m: None, open_llm=no_llm) == first  # resumed from regenerated.jsonl
+    # a run stopped mid-write (Ctrl-C exits at once) leaves a partial last line: the line is
+    # dropped and its conversation regenerated
     path = os.path.join(cfg.out, "regenerated.jsonl")
     whole = open(path, "rb").read()
     with open(path, "wb") as f:
         f.write(whole[:whole.rfind(b"\n", 0, len(whole) - 1) + 1] + b'{"messages": [{"role": "us')
     said = []
-    assert trainer.regenerate(cfg, convs, log=said.append, llm=llm) == first
+    assert regenerate(cfg, convs, log=said.append, open_llm=lambda: llm) == first
     assert any("partly written" in m for m in said) and open(path, "rb").read() == whole
     # more conversations extend the file (it holds a prefix of them): the first ones are kept
     more = load_conversations(str(write_jsonl(tmp_path / "d.jsonl", 4, seed=4, turns=2)))
     said = []
-    extended = trainer.regenerate(dataclasses.replace(cfg, max_conversations=4), more, log=said.append, llm=llm)
+    extended = regenerate(dataclasses.replace(cfg, max_conversations=4), more, log=said.append, open_llm=lambda: llm)
     assert extended[:3] == first and len(extended) == 4 and not any("other settings" in m for m in said)
-    # other answer settings regenerate (the file was reused whatever changed: a run on new data
-    # trained on the old answers), and every answer stops at the target's context
+    # other answer settings regenerate (reusing the file would train a run on new data on the
+    # previous answers), and every answer stops at the target's context
     said = []
     longer = dataclasses.replace(cfg, regen_max_tokens=600)
-    again = trainer.regenerate(longer, convs, log=said.append, llm=llm)
+    again = regenerate(longer, convs, log=said.append, open_llm=lambda: llm)
     assert any("other settings" in m for m in said) and os.path.exists(os.path.join(cfg.out, "regenerated.jsonl.old"))
     assert len(again) == len(first) and all(c[-1]["role"] == "assistant" for c in again)
     assert all(len(llm.tokenizer.encode_chat(c[:-1])) + len(c[-1]["token_ids"]) <= llm.max_model_len for c in again)
@@ -266,7 +268,7 @@ def test_out_is_never_the_target_or_a_foreign_model(tiny_llama, tmp_path):
 
 
 def test_max_len_past_the_context_is_capped(tiny_llama, tmp_path):
-    # the tiny target's context is 512: a 1024-token max_len failed in its rotary table
+    # the tiny target's context is 512: a 1024-token max_len would run past its rotary table
     data = tmp_path / "long.jsonl"
     data.write_text("\n".join(json.dumps([{"role": "user", "content": " ".join(WORDS * 2)},
                                           {"role": "assistant", "content": " ".join(WORDS * 80)}]) for _ in range(3)))
@@ -280,7 +282,7 @@ def test_max_len_past_the_context_is_capped(tiny_llama, tmp_path):
 def test_training_time_test_steps_are_the_drafting_computation(tiny_llm):
     """forward_steps' step s at position i equals drafting s levels deep from the true pairs up
     to i - s + 1: the head run causally over those pairs, then over its own chained predictions."""
-    from engine.train.head import TrainHead
+    from eagle_serve.engine.train.head import TrainHead
     torch.manual_seed(0)
     cfg = tiny_llm.runner.loaded.config
     head = TrainHead(cfg).double()
@@ -324,7 +326,7 @@ def test_ttt_training_and_init_warm_start(tiny_llama, tmp_path):
 
 
 def test_feature_shards_are_reused_when_the_data_grows(tiny_llm, tmp_path):
-    from engine.train.trainer import extract_features, load_shards
+    from eagle_serve.engine.train.features import extract_features, load_shards
     convs = load_conversations(write_jsonl(tmp_path / "d.jsonl", 10, seed=4))
     examples = [render(tiny_llm.tokenizer, c, 128) for c in convs]
     logs = []
@@ -347,7 +349,7 @@ def test_feature_shards_are_reused_when_the_data_grows(tiny_llm, tmp_path):
 
 
 def test_heldout_split_does_not_depend_on_the_rest_of_the_data(tiny_llm, tmp_path):
-    from engine.train.trainer import split_heldout
+    from eagle_serve.engine.train.trainer import split_heldout
     convs = load_conversations(write_jsonl(tmp_path / "d.jsonl", 60, seed=5))
     examples = [render(tiny_llm.tokenizer, c, 128) for c in convs]
     held_all, train_all = split_heldout(examples, 0.2, seed=0)
@@ -362,12 +364,12 @@ def test_fused_feature_head_trains_serves_and_stays_lossless(tiny_llama, tmp_pat
     features). It starts as the plain head it is initialised from, trains, saves `aux_layers` and
     `fc_aux`, and the serving path computes what training computes; speculative greedy output
     stays the plain output. A config whose aux layers the target lacks is a clear load error."""
-    from engine.attention import TorchAttention
-    from engine.forward_batch import SeqSpan, build_forward_batch
-    from engine.kv_cache import KVCache
-    from engine.loader import ModelLoadError
-    from engine.spec.eagle_head import load_eagle_head
-    from engine.train.head import TrainHead
+    from eagle_serve.engine.attention import TorchAttention
+    from eagle_serve.engine.forward_batch import SeqSpan, build_forward_batch
+    from eagle_serve.engine.kv_cache import KVCache
+    from eagle_serve.engine.loader import ModelLoadError
+    from eagle_serve.engine.speculative.eagle_head import load_eagle_head
+    from eagle_serve.engine.train.head import TrainHead
     data = write_jsonl(tmp_path / "d.jsonl", 30, seed=4)
     common = dict(model=tiny_llama[0], data=data, max_len=128, lr=3e-3, batch_tokens=512, warmup_steps=2,
                   dtype="float64", progress=False, heldout_fraction=0.1, snapshots=0, ttt_steps=2)
@@ -425,9 +427,9 @@ def test_fused_feature_head_trains_serves_and_stays_lossless(tiny_llama, tmp_pat
         train_draft(TrainConfig(out=str(tmp_path / "y"), epochs=1, init=fused_dir, **common), log=lambda m: None)
 
 
-def test_starting_over_drops_the_old_runs_snapshots_and_log(tiny_llama, tmp_path):
-    # a rerun with other settings starts over; the old run's snapshots and log mixed into the
-    # new run's acceptance curve (epochs 1, 2, 1, 2, 3 in one train_log.jsonl)
+def test_starting_over_drops_the_previous_runs_snapshots_and_log(tiny_llama, tmp_path):
+    # a rerun with other settings starts over; the previous run's snapshots and log would mix
+    # into the new run's acceptance curve (epochs 1, 2, 1, 2, 3 in one train_log.jsonl)
     data = write_jsonl(tmp_path / "d.jsonl", 12, seed=3)
     common = dict(model=tiny_llama[0], out=str(tmp_path / "o"), data=data, max_len=128, batch_tokens=256,
                   dtype="float64", progress=False, heldout_fraction=0.1, snapshots=2)
@@ -444,13 +446,13 @@ def test_starting_over_drops_the_old_runs_snapshots_and_log(tiny_llama, tmp_path
 
 
 def test_ctrl_c_saves_the_training_state_and_the_same_command_resumes(tiny_llama, tmp_path):
-    # Ctrl-C ended train-draft with SIGABRT (the engine thread left mid-step at exit) and lost
-    # the steps since the last checkpoint
+    # Ctrl-C stops train-draft cleanly (not SIGABRT from an engine thread left mid-step at exit)
+    # and saves the steps since the last checkpoint
     import signal
     import subprocess
     import sys
     data = write_jsonl(tmp_path / "d.jsonl", 40)
-    cmd = [sys.executable, "-c", "import sys; from server.cli import main; sys.exit(main())", "train-draft",
+    cmd = [sys.executable, "-c", "import sys; from eagle_serve.server.cli import main; sys.exit(main())", "train-draft",
            "--model", tiny_llama[0], "--out", str(tmp_path / "o"), "--data", str(data), "--max-len", "64",
            "--batch-tokens", "64", "--epochs", "400", "--dtype", "float64", "--no-progress", "--snapshots", "0"]
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
@@ -479,9 +481,9 @@ def test_ctrl_c_saves_the_training_state_and_the_same_command_resumes(tiny_llama
 
 
 def test_init_head_keeps_its_own_shapes(tiny_llama, tmp_path):
-    # --init with a head of other shapes (MLP width, heads): training built the target's shapes
-    # and crashed late (MLP) or silently saved the target's config over the head's (heads)
-    from engine.spec.eagle_head import load_eagle_head
+    # --init with a head of other shapes (MLP width, heads): training builds the head's shapes,
+    # not the target's, and saves the head's config
+    from eagle_serve.engine.speculative.eagle_head import load_eagle_head
     data = write_jsonl(tmp_path / "d.jsonl", 12, seed=5)
     init = write_eagle_head(str(tmp_path / "init"), tiny_llama[0], seed=2, inter=48, heads=2, kv=1, head_dim=16,
                             rope_theta=5000.0)
@@ -500,11 +502,11 @@ def test_init_head_keeps_its_own_shapes(tiny_llama, tmp_path):
 def test_training_rotates_positions_as_serving_does(tmp_path):
     # serving rotates a head with the target's rope_theta and head_dim by the target's rotary
     # (its scaling included, which published heads' configs leave out); training an --init head
-    # must use the same one, and a head of another head_dim its own (serving took the target's
-    # table of the wrong width for it)
+    # must use the same one, and a head of another head_dim its own (the target's table has
+    # the wrong width for it)
     from tests.conftest import write_tiny_model
-    from engine.train.head import TrainHead
-    from engine.train.trainer import read_head
+    from eagle_serve.engine.train.head import TrainHead
+    from eagle_serve.engine.train.fit import read_head
     target = str(tmp_path / "scaled")
     write_tiny_model(target, rope_scaling={"rope_type": "linear", "factor": 2.0})
     plain = LLM(target, dtype="float64", device="cpu", kv_cache_tokens=512, block_size=4)
@@ -523,8 +525,8 @@ def test_training_rotates_positions_as_serving_does(tmp_path):
 
 
 def test_a_head_trained_for_a_qwen2_target_loads_and_drafts_losslessly(tmp_path):
-    # the head's config said Llama, whose layer has no q/k/v biases: the serving loader refused
-    # the trained head's biases ("unexpected weight ... qkv_proj.bias")
+    # the head's config names the target's family (Qwen2 has q/k/v biases, Llama none), so the
+    # serving loader takes the trained head's biases ("unexpected weight ... qkv_proj.bias")
     from tests.conftest import write_tiny_model
     target = str(tmp_path / "qwen")
     write_tiny_model(target, "qwen2")
@@ -544,15 +546,15 @@ def test_a_head_trained_for_a_qwen2_target_loads_and_drafts_losslessly(tmp_path)
                                          ("weight_decay", float("nan")), ("regen_max_tokens", 0),
                                          ("warmup_steps", -1)])
 def test_more_nonsense_settings_are_refused(field, value):
-    # --p-weight inf saved a head of NaNs with exit 0; --regen-max-tokens 0 failed only after the
-    # engine was built
+    # refused at once: --p-weight inf would save a head of NaNs with exit 0, --regen-max-tokens 0
+    # would fail only after the engine is built
     with pytest.raises(ValueError, match=field):
         TrainConfig(model=None, out="o", **{field: value})
 
 
 def test_a_diverging_run_stops_and_writes_no_head(tiny_llama, tmp_path):
     # --lr 1e4 trained weights to NaN and saved them with exit 0
-    from engine.train.trainer import Diverged
+    from eagle_serve.engine.train.fit import Diverged
     out = tmp_path / "o"
     with pytest.raises(Diverged, match="diverged"):
         train_draft(TrainConfig(model=tiny_llama[0], out=str(out), data=write_jsonl(tmp_path / "d.jsonl", 12),
@@ -562,7 +564,7 @@ def test_a_diverging_run_stops_and_writes_no_head(tiny_llama, tmp_path):
 
 
 def test_resume_keys_on_the_files_not_their_names(tiny_llama, tmp_path):
-    # new data written over the same path resumed the old run's state (and finished at once)
+    # new data written over the same path starts a new run, not the previous run's state
     data = write_jsonl(tmp_path / "d.jsonl", 12, seed=6)
     common = dict(model=tiny_llama[0], out=str(tmp_path / "o"), data=data, max_len=64, batch_tokens=128,
                   epochs=1, dtype="float64", progress=False, snapshots=0)
@@ -597,7 +599,7 @@ def test_resume_keys_on_the_files_not_their_names(tiny_llama, tmp_path):
 
 
 def test_out_is_never_the_init_head(tiny_llama, tmp_path):
-    # an --init head that a train-draft run wrote (card.json and all) was trained over in place
+    # an --init head that a train-draft run wrote (card.json and all) is never trained over in place
     data = write_jsonl(tmp_path / "d.jsonl", 8)
     common = dict(model=tiny_llama[0], data=data, max_len=64, batch_tokens=64, epochs=1, dtype="float64",
                   progress=False, snapshots=0)
@@ -611,8 +613,8 @@ def test_out_is_never_the_init_head(tiny_llama, tmp_path):
 
 
 def test_draft_vocab_with_init_is_re_picked_and_the_full_vocabulary_is_refused(tiny_llama, tmp_path):
-    # with --init, --draft-vocab K was ignored (a full-vocabulary head stayed full, a reduced one
-    # kept its K); K at or over the vocabulary was silently the full vocabulary
+    # with --init, --draft-vocab K re-picks the head's vocabulary (full or reduced); K at or over
+    # the vocabulary is refused, not silently the full vocabulary
     data = write_jsonl(tmp_path / "d.jsonl", 12, seed=7)
     common = dict(model=tiny_llama[0], data=data, max_len=64, batch_tokens=128, epochs=1, dtype="float64",
                   progress=False, snapshots=0)
@@ -627,7 +629,7 @@ def test_draft_vocab_with_init_is_re_picked_and_the_full_vocabulary_is_refused(t
 
 
 def test_a_short_run_still_reaches_its_learning_rate(tiny_llama, tmp_path, monkeypatch):
-    # warmup was 50 steps whatever the run's length: a run of 6 steps peaked at 6/50 of --lr
+    # warmup fits the run's length: a fixed 50 steps would leave a run of 6 steps at 6/50 of --lr
     seen = []
     step = torch.optim.AdamW.step
 
@@ -644,21 +646,21 @@ def test_a_short_run_still_reaches_its_learning_rate(tiny_llama, tmp_path, monke
 
 
 def test_regeneration_stops_a_conversation_at_a_turn_it_cannot_answer(tiny_llm, tmp_path):
-    # a first user turn over regen_max_prompt was skipped and the second answered as if the
-    # conversation began there
-    from engine.train import trainer
+    # a first user turn over regen_max_prompt ends the conversation: answering the second would
+    # treat it as if the conversation began there
+    from eagle_serve.engine.train.regenerate import regenerate
     conv = [{"role": "user", "content": " ".join(WORDS * 4)}, {"role": "assistant", "content": "fine"},
             {"role": "user", "content": "the fox"}, {"role": "assistant", "content": "jumps"}]
     short = [{"role": "user", "content": "the dog"}, {"role": "assistant", "content": "sleeps"}]
     cfg = TrainConfig(model=None, out=str(tmp_path / "o"), data="x", regenerate=True, regen_max_tokens=4,
                       regen_max_prompt=24, dtype="float64", progress=False, max_len=64, batch_tokens=64)
     os.makedirs(cfg.out)
-    done = trainer.regenerate(cfg, [conv, short], log=lambda m: None, llm=tiny_llm)
+    done = regenerate(cfg, [conv, short], log=lambda m: None, open_llm=lambda: tiny_llm)
     assert done[0] == [] and [m["role"] for m in done[1]] == ["user", "assistant"]
 
 
 def test_data_formats_and_skipped_conversations_are_reported(tmp_path):
-    # content parts and the developer role were dropped silently, like every unusable conversation
+    # content parts and the developer role are read, and every unusable conversation is reported
     path = tmp_path / "d.jsonl"
     rows = [[{"role": "developer", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "a"},
                                                                                          {"type": "text", "text": "b"}]},
@@ -677,7 +679,7 @@ def test_data_formats_and_skipped_conversations_are_reported(tmp_path):
 
 
 def test_cli_errors_are_one_line_and_leave_nothing_behind(tiny_llama, tmp_path, capsys):
-    from server.cli import main
+    from eagle_serve.server.cli import main
     data = write_jsonl(tmp_path / "d.jsonl", 4)
     base = ["train-draft", "--model", tiny_llama[0], "--no-progress", "--dtype", "float64", "--max-len", "64",
             "--batch-tokens", "64"]

@@ -101,7 +101,7 @@ def native():
 def configure(mod) -> None:
     """Apply EAGLE_SERVE_NTA_STREAMS to a compiled kernel module (the CLI's boolean spellings;
     anything else is refused: a typo would silently leave the default)."""
-    from engine.config import env_flag
+    from eagle_serve.engine.config import env_flag
     try:
         on = env_flag(os.environ.get("EAGLE_SERVE_NTA_STREAMS", ""))
     except ValueError as e:

@@ -11,12 +11,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionBackend, NativeCPUAttention
-from engine.forward_batch import ForwardBatch
-from engine.kv_cache import KVCache
-from engine import kernels
-from engine.layers import FAST_DTYPES, Linear, RMSNorm, RotaryEmbedding, apply_rope, rows_as, weights_to_arena
-from engine.model_config import ModelConfig
+from eagle_serve.engine.attention import AttentionBackend, NativeCPUAttention
+from eagle_serve.engine.forward_batch import ForwardBatch
+from eagle_serve.engine.kv_cache import KVCache
+from eagle_serve.engine import kernels
+from eagle_serve.engine.layers import FAST_DTYPES, Linear, RMSNorm, RotaryEmbedding, apply_rope, rows_as, weights_to_arena
+from eagle_serve.engine.model_config import ModelConfig
 
 
 class Attention(nn.Module):

@@ -16,7 +16,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from engine.tokenizer import Tokenizer
+from eagle_serve.engine.tokenizer import Tokenizer
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
          "bing": "assistant", "bard": "assistant", "model": "assistant", "system": "system", "developer": "system"}

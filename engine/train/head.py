@@ -1,6 +1,6 @@
 """The EAGLE head as a trainable torch module, saved in the published EAGLE layout.
 
-Same computation as `engine.spec.eagle_head.EagleHead` (which serves it over the paged cache):
+Same computation as `engine.speculative.eagle_head.EagleHead` (which serves it over the paged cache):
 x = fc([embed(x_{t+1}) ; f_t]); one Llama decoder layer without its input norm; output = the
 predicted feature f_{t+1}. Here attention is plain causal SDPA over padded [B, T] batches
 (right padding never reaches real tokens under a causal mask).
@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers import RotaryEmbedding
-from engine.model_config import ModelConfig
-from engine.spec.eagle_head import aux_norm
+from eagle_serve.engine.layers import RotaryEmbedding
+from eagle_serve.engine.model_config import ModelConfig
+from eagle_serve.engine.speculative.eagle_head import aux_norm
 
 
 class TrainHead(nn.Module):

@@ -1,0 +1,364 @@
+#!/usr/bin/env python
+"""Write docs/benchmarks.md and README's Performance section from the files in bench/results.
+
+Every figure comes from a results file, with the hardware it records, the command that wrote it
+and a link to the file; a figure without a file does not appear. Rerun a benchmark, then this.
+
+    .venv/bin/python bench/report.py            # rewrite both
+    .venv/bin/python bench/report.py --check    # exit 1 when either differs from what it would write
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+START, END = "<!-- performance:start -->", "<!-- performance:end -->"
+
+
+@dataclass(frozen=True)
+class Section:
+    title: str
+    source: str  # results file name in bench/results
+    hardware: str
+    command: str
+    table: list[list[str]]  # header row first
+    note: str = ""
+
+    @property
+    def plot(self) -> str | None:
+        png = self.source.rsplit(".", 1)[0] + ".png"
+        return png if os.path.exists(os.path.join(RESULTS, png)) else None
+
+
+RESULTS = os.path.join(ROOT, "bench", "results")
+
+
+def load(name: str) -> dict:
+    with open(os.path.join(RESULTS, name)) as f:
+        return json.load(f)
+
+
+def with_out(command: str, name: str) -> str:
+    """The recorded command, its --out pointing at the results file it wrote."""
+    command = re.sub(r"\s--out\s+\S+", "", command)
+    return f"{command} --out bench/results/{name}"
+
+
+def cpu(env: dict, threads_key: str = "threads") -> str:
+    model = env.get("cpu_model") or env.get("cpu")
+    threads = env.get(threads_key)
+    torch = env.get("torch")
+    parts = [model or "CPU model not recorded", f"{threads} threads" if threads else "", f"torch {torch}" if torch else ""]
+    return ", ".join(p for p in parts if p)
+
+
+def f1(x: float) -> str:
+    return f"{x:.1f}"
+
+
+def f2(x: float) -> str:
+    return f"{x:.2f}"
+
+
+# ---------------------------------------------------------------- sections, one per results file
+
+def decode_vs_peers() -> Section:
+    name = "decode_vs_peers.json"
+    d = load(name)
+    rows = [["system", "median tok/s", "x ours, same dtype (paired)"]]
+    labels = {"ours": "eagle-serve", "hf": "HF transformers", "llamacpp": "llama.cpp"}
+    for dtype, gguf in (("bfloat16", "f16"), ("float32", "f32")):
+        for system in (f"ours-{dtype}", f"hf-{dtype}", f"llamacpp-{gguf}"):
+            s = d["summary"].get(system)
+            if s:
+                kind, variant = system.split("-", 1)
+                rows.append([f"{labels[kind]} {variant}", f1(s["median_tok_s"]),
+                             f2(s[f"paired_ratio_to_ours-{dtype}"])])
+    c = d["config"]
+    note = (f"Greedy, {c['prompts']} MT-bench first turns through the chat template, {c['max_new']} new "
+            "tokens, every system in one run, alternating per prompt.")
+    return Section("Single stream against the peers", name, cpu(d["env"]), with_out(d["env"]["command"], name),
+                   rows, note)
+
+
+def speculative() -> Section:
+    name = "speculative_single_stream.json"
+    d = load(name)
+    sets = [s for s in ("mtbench", "humaneval") if s in d["summary"]]
+    header = ["method"] + [h for s in sets for h in (f"{s} tok/s", "x none", "tokens a forward")]
+    rows = [header]
+    for method in d["summary"][sets[0]]:
+        row = [method]
+        for s in sets:
+            m = d["summary"][s][method]
+            row += [f1(m["median_tok_s"]), f2(m["speedup_vs_none"]), f2(m["pooled_tok_per_forward"])]
+        rows.append(row)
+    same = {m: sum(v is None for v in div.values()) for m, div in d.get("parity_vs_none", {}).items()}
+    n = {m: len(div) for m, div in d.get("parity_vs_none", {}).items()}
+    c = d["config"]
+    note = (f"Greedy, {c['dtype']}, {c['prompts']} prompts a set, {c['max_new']} new tokens; x none is the median "
+            "of per-prompt ratios in the same run. Greedy ids equal plain decoding: "
+            + ", ".join(f"{m} {same[m]}/{n[m]}" for m in same) + ".")
+    return Section("Speculative decoding, one stream", name, cpu(d["env"]), with_out(d["env"]["command"], name),
+                   rows, note)
+
+
+def speculative_bounds(name: str) -> Section:
+    d = load(name)
+    target = d["config"]["target"]
+    rows = [["set", "method", "tokens a forward", "round x plain step", "speed-up modelled / measured",
+             "with a free draft", f"tokens a forward for {target}x"]]
+    for s, methods in d["sets"].items():
+        for m, b in methods.items():
+            rows.append([s, m, f2(b["tok_per_forward"]), f2(b["round_x_plain"]),
+                         f"{f2(b['speedup_modelled'])} / {f2(b['speedup_measured_median'])}",
+                         f2(b["speedup_free_draft"]), f2(b[f"tok_per_forward_for_{target}x"])])
+    result = os.path.basename(d["config"]["result"])
+    run = load(result)
+    return Section(f"What bounds the speed-up (target {target}x)", name, cpu(run["env"]),
+                   f"python bench/spec_bounds.py bench/results/{result} --target {target} "
+                   f"--out bench/results/{name}", rows,
+                   "From the cost profile of the single-stream run above.")
+
+
+def round_cost() -> Section:
+    name = "round_cost_mtbench.json"
+    d = load(name)
+    keys = ["execute", "propose", "target_stack", "target_lm_head"]
+    rows = [["system", "tok/s", "x none"] + [f"{k} ms" for k in keys]]
+    for system, s in d["systems"].items():
+        rows.append([system, f1(s["tok_s"]), f2(s["x_none"])]
+                    + [f2(s["median_ms"][k]) if k in s["median_ms"] else "-" for k in keys])
+    c = d["config"]
+    return Section("Where a round's time goes", name, "not recorded in the results file",
+                   f"python bench/bench_draft_calls.py --trees {c['trees']} --prompts {c['prompts']} "
+                   f"--out bench/results/{name}", rows, "Median ms a call over every round of the run.")
+
+
+def serve_sweep() -> Section:
+    name = "serve_sweep.json"
+    d = load(name)
+    c = d["config"]
+    rows = [["clients", "on tok/s", "off tok/s", "on / off (median)", "on / off by repetition"]]
+    for transport, points in d["summary"].items():
+        for conc, p in points.items():
+            rows.append([conc, f1(p["on"]["tok_s"]), f1(p["off"]["tok_s"]), f2(p["on_off_ratio_median"]),
+                         " / ".join(f2(r) for r in p["ratios"])])
+    command = (f"python bench/bench_serve.py --transports {c['transports']} --reps {c['reps']} "
+               f"--passes {c['passes']} --min-requests {c['min_requests']} --out bench/results/{name}")
+    note = ("'on': the shipped head with the tree budget; 'off': `--spec none`. "
+            f"{c['dtype']}, {c['max_new']} new tokens a request, in process.")
+    return Section("Serving throughput by concurrency", name,
+                   f"CPU model not recorded, {d.get('torch_threads', '?')} torch threads", command, rows, note)
+
+
+def serve_vs_vllm() -> Section:
+    name = "serve_vs_vllm.json"
+    d = load(name)
+    c = d["config"]
+    servers = [s for s in c["servers"].split(",") if s in d["servers"]]
+    rows = [["clients"] + [f"{s} tok/s" for s in servers]
+            + [f"{s} / vllm" for s in servers if f"{s}/vllm" in d["ratios_median_per_rep"]]]
+    for conc in c["concurrency"].split(","):
+        rows.append([conc] + [f1(d["servers"][s][conc]["tok_s_median"]) for s in servers]
+                    + [f2(r[conc]) for k, r in d["ratios_median_per_rep"].items()])
+    command = (f"python bench/bench_vs_vllm.py --reps {c['reps']} --min-requests {c['min_requests']} "
+               f"--out bench/results/{name}")
+    note = ("Over HTTP, each server alone on the machine; eagle-spec: `eagle-serve serve`, eagle-plain: "
+            "`--draft none`, vllm: vLLM's CPU build on the same weights (bf16). Medians over repetitions.")
+    return Section("Serving against vLLM's CPU build", name, "not recorded in the results file", command,
+                   rows, note)
+
+
+def head_eval() -> Section:
+    name = "head_eval_mtbench.json"
+    d = load(name)
+    c = d["config"]
+    rows = [["head", "top-1 step 1", "(full vocabulary)", "step 2", "step 3", "tokens scored"]]
+    for head, h in d["heads"].items():
+        rows.append([head, f"{h['heldout_top1_step1']:.3f}", f"{h['heldout_top1_full_vocab']:.3f}",
+                     f"{h['heldout_top1_step2']:.3f}", f"{h['heldout_top1_step3']:.3f}", str(h["heldout_tokens"])])
+    command = (f"python bench/eval_head.py --heads {c['heads']} --data {c['data']} --conversations "
+               f"{c['conversations']} --regen-max-tokens {c['regen_max_tokens']} --out bench/results/{name}")
+    return Section("Draft head: agreement with the target on MT-bench", name, "not recorded in the results file",
+                   command, rows, "The shipped head is the last one listed.")
+
+
+def head_curve(name: str, title: str) -> Section:
+    d = load(name)
+    c = d["config"]
+    rows = [["stage", "head", "training tokens", "acceptance length"]]
+    for p in d["points"]:
+        rows.append([str(p["stage"]), p["head"], f"{p['train_tokens']:,}", f"{p['acceptance_length']:.3f}"])
+    command = (f"python bench/bench_head_curve.py --run {c['run']} --prompts {c['prompts']} --max-new "
+               f"{c['max_new']} --tree {c['tree']} --out bench/results/{name}")
+    note = f"Acceptance length at the {c['tree']} tree (tokens x depth x top-k), {c['dtype']}, greedy."
+    return Section(title, name, "not recorded in the results file", command, rows, note)
+
+
+def head_speed() -> Section:
+    name = "head_speed_by_stage.json"
+    d = load(name)
+    sets = [s for s in ("mtbench", "humaneval") if s in d["summary"]]
+    rows = [["method"] + [h for s in sets for h in (f"{s} tok/s", "x none")] + ["tokens a forward (all)"]]
+    for method in d["summary"][sets[0]]:
+        row = [method]
+        for s in sets:
+            m = d["summary"][s][method]
+            row += [f1(m["median_tok_s"]), f2(m["speedup_vs_none"])]
+        rows.append(row + [f2(d["summary"]["all"][method]["pooled_tok_per_forward"])])
+    return Section("Draft head: speed against the previous stage", name, cpu(d["env"]),
+                   with_out(d["env"]["command"], name), rows,
+                   "Methods marked `-compare` run the previous stage's head in the same run.")
+
+
+def reliability() -> Section:
+    name = "reliability.json"
+    d = load(name)
+    rows = [["scenario", "load or input", "requirement", "tests passed"]]
+    for s in d["scenarios"]:
+        rows.append([s["scenario"], s["load_or_input"], s["requirement"], f"{s['passed']}/{s['tests']}"])
+    return Section("Reliability", name, "not recorded in the results file",
+                   "python bench/reliability_report.py", rows)
+
+
+def soak() -> Section:
+    name = "soak.json"
+    d = load(name)
+    rows = [["check", "result"]]
+    rows.append(["requests", f"{d['requests']} in {d['minutes']:g} min at {d['concurrency']} clients"])
+    rows.append(["RSS slope after warm-up", f"{d['rss_slope_mb_per_min_after_warmup']} MB/min"])
+    rows += [[k.replace("_", " "), "yes" if v else "no"] for k, v in d["verdict"].items()]
+    return Section("Soak", name, "not recorded in the results file",
+                   f"python bench/soak.py --minutes {d['minutes']:g} --concurrency {d['concurrency']}", rows)
+
+
+def linear() -> Section:
+    name = "linear.json"
+    d = load(name)
+    rows_n = sorted({r["rows"] for r in d["results"]})
+    paths = list(dict.fromkeys(r["path"] for r in d["results"]))
+    ms = {(r["path"], r["rows"]): r["ms"] for r in d["results"]}
+    rows = [["path \\ rows (ms)"] + [str(n) for n in rows_n]]
+    rows += [[p] + [f"{ms[(p, n)]:.2f}" if (p, n) in ms else "-" for n in rows_n] for p in paths]
+    return Section("Linear layers: the whole model's products", name, cpu(d), with_out(d["command"], name), rows,
+                   "Every linear of the 30 layers and the LM head, one pass, bfloat16.")
+
+
+def attention() -> Section:
+    name = "attention.json"
+    d = load(name)
+    rows = [["context", "sequences", "rows", "native ms", "reference ms", "speed-up", "max abs diff"]]
+    for r in d["results"]:
+        rows.append([str(r["context"]), str(r["seqs"]), str(r["rows"]), f"{r['new_ms']:.3f}", f"{r['base_ms']:.3f}",
+                     f2(r["speedup"]), f"{r['max_abs_diff']:g}"])
+    return Section("Attention kernel", name, f"CPU model not recorded, {d['threads']} threads, {d['torch']}",
+                   f"python bench/bench_attention.py --out bench/results/{name}", rows)
+
+
+def kernels_ab() -> Section:
+    name = "kernels_ab_topk_log_softmax.json"
+    d = load(name)
+    rows = [["tree", "tok/s (base / this tree)", "ratio", "same outputs", "draft ms a round (base / this tree)"]]
+    for tree, r in d["decode"].items():
+        tok, draft = list(r["tok_s"].values()), [v["draft_ms"] for v in r["ms_per_round"].values()]
+        rows.append([tree, " / ".join(f1(t) for t in tok), f"{r['ratio']:.3f}", r["same_outputs"],
+                     " / ".join(f"{x:.3f}" for x in draft)])
+    a = d["args"]
+    return Section("Kernel A/B: a draft level's ranking in one pass", name, cpu(d),
+                   f"python bench/bench_kernels_ab.py --rev {a['rev']} --skip-linear --trees {a['trees']} "
+                   f"--prompts {a['prompts']} --out bench/results/{name}", rows)
+
+
+def gpu_check() -> Section:
+    name = "gpu_check.json"
+    d = load(name)
+    env = d["env"]
+    rows = [["model", "batch", "CUDA graphs", "mode", "tok/s", "same as plain"]]
+    for model, m in d["throughput"]["models"].items():
+        for r in m["rows"]:
+            rows.append([model, str(r["batch"]), "yes" if r["graphs"] else "no", r["mode"], f1(r["tok_s"]),
+                         "yes" if r.get("same_as_plain") else "no"])
+    hardware = f"{env.get('device_name', 'GPU not recorded')}, torch {env.get('torch', '?')}"
+    return Section("GPU check (random weights)", name, hardware, "python bench/gpu_check.py --out $OUT", rows,
+                   "Details in [gpu.md](gpu.md).")
+
+
+def sections() -> list[Section]:
+    return [decode_vs_peers(), speculative(), speculative_bounds("speculative_bounds_1.5x.json"),
+            speculative_bounds("speculative_bounds_1.8x.json"), round_cost(), serve_sweep(), serve_vs_vllm(),
+            head_eval(), head_curve("head_acceptance_60x6x10.json", "Draft head: acceptance length"),
+            head_curve("head_curve_stages.json", "Draft head: acceptance over its training stages"),
+            head_speed(), linear(), attention(), kernels_ab(), reliability(), soak(), gpu_check()]
+
+
+# ---------------------------------------------------------------- rendering
+
+def table(rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows[1:]])
+
+
+def render(s: Section, results_link: str, level: str) -> str:
+    link = f"[bench/results/{s.source}]({results_link}{s.source})"
+    plot = f", plot [{s.plot}]({results_link}{s.plot})" if s.plot else ""
+    parts = [f"{level} {s.title}", "", f"Hardware: {s.hardware}. Command: `{s.command}`. Results: {link}{plot}.", ""]
+    if s.note:
+        parts += [s.note, ""]
+    return "\n".join(parts + [table(s.table), ""])
+
+
+def benchmarks_page(all_sections: list[Section]) -> str:
+    head = ["# Benchmarks", "",
+            "Generated by `bench/report.py` from the files in `bench/results`; rerun a benchmark, then the "
+            "script, to change this page.", ""]
+    return "\n".join(head + [render(s, "../bench/results/", "##") for s in all_sections])
+
+
+def performance_section(all_sections: list[Section]) -> str:
+    by_source = {s.source: s for s in all_sections}
+    chosen = [by_source[n] for n in ("decode_vs_peers.json", "speculative_single_stream.json",
+                                     "serve_vs_vllm.json")]
+    body = [render(s, "bench/results/", "###") for s in chosen]
+    return "\n".join([START, ""] + body + [END])
+
+
+def with_performance(readme: str, section: str) -> str:
+    start, end = readme.find(START), readme.find(END)
+    if start < 0 or end < start:
+        raise SystemExit(f"README has no {START} ... {END} lines to write between")
+    return readme[:start] + section + readme[end + len(END):]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 when a page is out of date")
+    ap.add_argument("--docs", default=os.path.join(ROOT, "docs", "benchmarks.md"))
+    ap.add_argument("--readme", default=os.path.join(ROOT, "README.md"))
+    args = ap.parse_args(argv)
+    all_sections = sections()
+    with open(args.readme) as f:
+        readme = f.read()
+    wanted = {args.docs: benchmarks_page(all_sections),
+              args.readme: with_performance(readme, performance_section(all_sections))}
+    stale = []
+    for path, text in wanted.items():
+        current = open(path).read() if os.path.exists(path) else None
+        if current != text:
+            stale.append(path)
+            if not args.check:
+                with open(path, "w") as f:
+                    f.write(text)
+    if args.check and stale:
+        print("out of date (run bench/report.py): " + ", ".join(os.path.relpath(p, ROOT) for p in stale))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
