@@ -5,10 +5,10 @@ process: the default model's attention shape (9 query heads over 3 KV heads, hea
 that many nodes under its ancestor mask) and 1..32 sequences of one row each (batched decoding),
 at a few context lengths.
 
-    .venv/bin/python bench/bench_attention.py [--base REV] [--rows 1,2,4,8,16] [--seqs 1,8,32]
+    .venv/bin/python bench/bench_attention.py --base REV [--rows 1,2,4,8,16] [--seqs 1,8,32]
         [--contexts 128,512,1024] [--reps 15]
 
-`--base` (default 8dd8c45, the last commit with the per-key kernel) is a git revision whose
+`--base` (required) is a git revision whose
 engine/kernels/cpu_attention.cpp is compiled as a second extension next to the working tree's;
 the two run alternately, call by call. Prints
 ms per 30 layers and the ratio; writes bench/results/attention.json and attention.png.
@@ -44,7 +44,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_attention", &paged_atten
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--base", default="8dd8c45", help="git revision of the kernel to compare against")
+    ap.add_argument("--base", required=True, help="git revision of the kernel to compare against")
     ap.add_argument("--rows", default="1,2,4,8,16", help="query rows of one sequence (tree nodes)")
     ap.add_argument("--seqs", default="1,8,32", help="sequences of one row each (batched decode)")
     ap.add_argument("--contexts", default="128,512,1024")

@@ -84,9 +84,9 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-# ShareGPT conversations (usable ones, in the package's order) that no training stage of the
-# shipped head used: stages 1-7 took the first 3072, stages 9-13 the first user turns from 4224
-# on (engine/heads/smollm2-135m-instruct/README.md); the end of the split holds training prompts.
+# ShareGPT conversations (usable ones, in the package's order) that the shipped head's training
+# never saw: its runs took the first 3072 and the first user turns from 4224 on (the head's model
+# card, engine/heads/smollm2-135m-instruct/README.md).
 HELD_OUT = (3072, 4224)
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from eagle_serve.engine import kernels
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,6 @@ def _native_build():
     or None without them. EAGLE_SERVE_NATIVE_BATCH=0 keeps the numpy path (tests compare both)."""
     if os.environ.get("EAGLE_SERVE_NATIVE_BATCH", "1") == "0":
         return None
-    from eagle_serve.engine import kernels
     return getattr(kernels.native(), "build_batch", None)
 
 

@@ -14,6 +14,12 @@ estimate errs towards a smaller cache. The arithmetic is in pure functions (`kv_
 from __future__ import annotations
 
 import torch
+from eagle_serve.engine.attention import TorchAttention
+from eagle_serve.engine.cuda_graphs import default_buckets, graphs_enabled
+from eagle_serve.engine.forward_batch import SeqSpan, build_forward_batch
+from eagle_serve.engine.kv_cache import KVCache
+from eagle_serve.engine.speculative.eagle_drafter import feature_width
+from eagle_serve.engine.speculative.eagle_head import head_aux_layers
 
 GIB = 1 << 30
 
@@ -61,8 +67,6 @@ def draft_feature_width(config, hidden_size: int) -> int:
     hidden size, times 1 + the head's fused layers (its config.json's aux_layers)."""
     if not (config.spec.uses_head and config.draft):
         return 0
-    from eagle_serve.engine.speculative.eagle_drafter import feature_width
-    from eagle_serve.engine.speculative.eagle_head import head_aux_layers
     return feature_width(hidden_size, head_aux_layers(config.draft))
 
 
@@ -91,9 +95,6 @@ def graph_reserve_bytes(batch: int, tokens: int, kv_len: int, num_heads: int, nu
 def profile_in_use(runner) -> tuple[int, int]:
     """(total device bytes, bytes in use) after the weights and one profiling forward of the
     largest step (module doc). Runs before the KV cache exists, with a temporary one."""
-    from eagle_serve.engine.attention import TorchAttention
-    from eagle_serve.engine.forward_batch import SeqSpan, build_forward_batch
-    from eagle_serve.engine.kv_cache import KVCache
 
     c, m, dev = runner.config, runner.loaded.config, runner.device
     bs = c.block_size
@@ -127,7 +128,6 @@ def profile_in_use(runner) -> tuple[int, int]:
 
 def cuda_kv_cache_tokens(runner) -> int:
     """KV tokens for a CUDA runner with `kv_cache_tokens` None (whole blocks' worth)."""
-    from eagle_serve.engine.cuda_graphs import default_buckets, graphs_enabled
 
     c, m = runner.config, runner.loaded.config
     elt = runner.dtype.itemsize

@@ -21,6 +21,10 @@ from eagle_serve.engine.speculative.config import SpecConfig
 from eagle_serve.engine.speculative.drafters import Drafter, NgramDrafter, NoDrafter
 from eagle_serve.engine.speculative.tree import DraftTree, root_only
 from eagle_serve.engine.step_io import SeqResult, SeqStep
+from eagle_serve.engine.gpu_memory import cuda_kv_cache_tokens
+from eagle_serve.engine.gpu_memory import engine_kv_bytes_per_token
+from eagle_serve.engine.speculative.eagle_drafter import EagleDrafter
+from eagle_serve.engine.speculative.eagle_head import load_eagle_head
 
 
 @dataclass
@@ -99,10 +103,8 @@ class ModelRunner:
         tokens = c.kv_cache_tokens
         if tokens is None:
             if self.device.type == "cuda":  # gpu_memory_utilization of the GPU, after weights and activations
-                from eagle_serve.engine.gpu_memory import cuda_kv_cache_tokens
                 budget = cuda_kv_cache_tokens(self)
             else:
-                from eagle_serve.engine.gpu_memory import engine_kv_bytes_per_token
                 per_token = engine_kv_bytes_per_token(c, m, self.dtype)
                 budget = int(_memory_bytes(self.device) * c.kv_cache_memory_fraction) // per_token
             tokens = min(budget, c.max_num_seqs * m.max_model_len)
@@ -130,8 +132,6 @@ class ModelRunner:
         if self.config.draft is None:
             raise ValueError(f"spec method {spec.method!r} needs a draft head (--draft PATH); this model "
                              f"has none: use --spec ngram or --spec none")
-        from eagle_serve.engine.speculative.eagle_drafter import EagleDrafter
-        from eagle_serve.engine.speculative.eagle_head import load_eagle_head
         int8 = self._draft_int8()
         head = load_eagle_head(self.config.draft, self.model, self.dtype).to(self.device)
         if self.device.type == "cpu":

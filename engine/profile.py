@@ -24,6 +24,7 @@ from eagle_serve.engine.forward_batch import SeqSpan
 from eagle_serve.engine.speculative.drafters import NoDrafter
 from eagle_serve.engine.step_io import SeqStep
 from eagle_serve.engine.sampling_params import SamplingParams
+from eagle_serve.engine.speculative.eagle_drafter import feature_width
 
 VERIFY_GRID = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # linear beyond
 SMALL_TOKENS = 16  # verify points up to here are timed in interleaved sweeps (ProfileRun)
@@ -258,7 +259,6 @@ class ProfileRun:
     def _draft(self, n: int, ids_of: list[int]) -> bool:
         runner, bs, context, repeats = self.runner, self.runner.config.block_size, self.context, self.repeats
         drafter, vocab = runner.drafter, runner.loaded.config.vocab_size
-        from eagle_serve.engine.speculative.eagle_drafter import feature_width  # [f ; aux] for a fused-feature head
         h = feature_width(runner.loaded.config.hidden_size, runner.model.aux_layers)
         blocks_per = -(-(context + runner.spec.scratch_slots + 2 * repeats + 8) // bs)
         if n * blocks_per > len(ids_of):

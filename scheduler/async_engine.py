@@ -235,7 +235,7 @@ class _HeapTrimmer:
     seconds of work and whenever the engine goes idle. Steps allocate and free tensors of many
     sizes (batch and tree shapes change every step); glibc keeps freed heap pages mapped, so
     without this the process's RSS creeps up in steps as new peak shapes appear, though nothing
-    leaks (bench/results/soak_without_trim.json is a soak from before this existed). A no-op
+    leaks (bench/soak.py watches it). A no-op
     where malloc_trim does not exist, or with interval None."""
 
     def __init__(self, interval: float | None):

@@ -74,13 +74,8 @@ class BlockAllocator:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
                  lowest_first: bool = True):
         """lowest_first: hand out the lowest free block id (False: the one freed last). On the
-        CPU where a block sits matters. With the last-freed order, a speculative engine's scratch
-        reservations (taken past every decoding sequence's committed length each round, given
-        back at commit) scattered its sequences' blocks, and its plain rounds ran 5.4% slower
-        than an engine without speculation; handed out lowest first, 0.5% (and handed out in a
-        random order, plain decoding 9% slower): bench/bench_instances.py --engines
-        off,off+lifo,on-plain,on-plain+lifo,on-plain+hold,off+shuffle, 16 sequences
-        (bench/results/instances_alloc.json). Lowest first keeps the free blocks that cache no
+        CPU where a block sits matters: the last-freed order lets a speculative engine's scratch
+        reservations scatter its sequences' blocks, which slows every round. Lowest first keeps the free blocks that cache no
         prefix packed at the start of the cache; blocks that do cache one keep their ids on the
         LRU list until they are reused or evicted."""
         if num_blocks <= 0 or block_size <= 0:

@@ -118,9 +118,7 @@ class Scheduler:
     def _release_unused_scratch(self, scheduled: list[Sequence]) -> None:
         """A decoding sequence the budget decodes plainly this round writes one slot: its
         scratch reservation goes back before the step, so a plain round holds the blocks an
-        engine without speculation holds. Holding the scratch cost plain rounds 1.5% at 16
-        sequences with the lowest-first allocator (bench/bench_instances.py, on-plain against
-        on-plain+hold: bench/results/instances_alloc.json)."""
+        engine without speculation holds (held scratch scatters the blocks plain rounds read)."""
         if self.spec_slots <= 1 or not self.release_scratch:
             return
         for s in scheduled:

@@ -1,10 +1,8 @@
 """The engine thread: one thread per process runs every model computation.
 
-Measured on the 2-core CPU (bench/bench_threads.py, bench/results/threads.json): a model built
-on one thread and stepped on another decodes at 0.58x the speed of one built and stepped on the
-same thread, and at 0.66x after another thread has merely run a few matmuls (the OpenMP runtime
-keeps a thread team per calling thread, and the teams compete for the same cores). So the
-model is built, profiled and stepped on this one thread: the `LLM` front end builds through it
+On the CPU a model stepped on another thread than the one that built it decodes markedly
+slower (the OpenMP runtime keeps a thread team per calling thread, and the teams compete for
+the same cores). So the model is built, profiled and stepped on this one thread: the `LLM` front end builds through it
 and runs `generate` on it, and `AsyncEngine` awaits its steps on it. It is torch-free itself:
 only a single-thread executor.
 """

@@ -529,7 +529,7 @@ def test_budget_explores_plain_rounds_only_while_speculating():
     assert plain == list(range(7, 64, 8)) and b.explored == 8  # one round in 8, the rest the full tree
     assert all(s == [8, 8] for i, s in enumerate(sizes) if i not in plain)
     steep = CostModel([(1, 0.010), (2, 0.020), (64, 0.640)], [(1, 0.001)])
-    b = TreeBudget(steep, BudgetConfig(8, prior=CONF, explore_every=8, cost_rate=0))
+    b = TreeBudget(steep, BudgetConfig(8, prior=CONF, explore_every=8, cost_rate=0, model_probe_every=0))
     assert all(b.choose([8]).sizes == (1,) for _ in range(64)) and b.explored == 0  # never speculates to explore
 
 

@@ -18,6 +18,7 @@ import functools
 import logging
 import os
 import sys
+from eagle_serve.engine.config import env_flag
 
 log = logging.getLogger(__name__)
 # The module is built for one of two instruction sets, the first this CPU has (the sources are
@@ -101,7 +102,6 @@ def native():
 def configure(mod) -> None:
     """Apply EAGLE_SERVE_NTA_STREAMS to a compiled kernel module (the CLI's boolean spellings;
     anything else is refused: a typo would silently leave the default)."""
-    from eagle_serve.engine.config import env_flag
     try:
         on = env_flag(os.environ.get("EAGLE_SERVE_NTA_STREAMS", ""))
     except ValueError as e:

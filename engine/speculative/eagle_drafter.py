@@ -31,6 +31,7 @@ from eagle_serve.engine.speculative.drafters import Drafter
 from eagle_serve.engine.speculative.eagle_head import _NONE, EagleHead, shares_target_rotary
 from eagle_serve.engine.speculative.tree import Candidates, DraftTree, build_tree, root_only, select_best
 from eagle_serve.engine.step_io import SeqStep
+from eagle_serve.engine.layers import RotaryEmbedding
 
 MAX_CONFIDENCE = 64  # node confidences reported per round (the budget's largest tree)
 SYNC_BACKLOG = 128  # pending pairs at which a sequence that is not drafting catches up
@@ -414,5 +415,4 @@ def _static_children(paths) -> dict[tuple[int, ...], list[int]]:
 
 
 def _rotary(cfg):
-    from eagle_serve.engine.layers import RotaryEmbedding
     return RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)

@@ -17,7 +17,8 @@ class BudgetConfig:
     explore_every: int = 32  # while speculating, one round in this many plain, one at full depth (0: never)
     research_every: int = 8  # rounds a shared-prior search is reused for the same batch shape (1: every round)
     # modelled gain over plain a tree must show: the model's error is about 5% at 4 clients; at one
-    # sequence the measured guard and the model probes catch a wrong choice (bench/bench_spec.py)
+    # sequence the measured guard and the model probes catch a wrong choice (bench/bench_spec.py
+    # --budget-min-gain)
     min_gain: float = 0.05
     min_gain_one: float = 0.0
     guard_min: int = 8  # measured pure-decode rounds of each kind a batch size needs for a verdict (0: no guard)
@@ -25,13 +26,13 @@ class BudgetConfig:
     guard_ema: float = 0.1  # step of the guard's running rates
     guard_z: float = 1.0  # standard errors of the difference a verdict needs (`MeasuredGuard.guard_verdict`)
     guard_promote: bool = True  # the guard also turns speculation on where it measures faster than plain
-    # speculate in rounds that carry a prefill chunk: off, as trees there cost far more than they
-    # emit (bench/bench_round_kinds.py --spec-with-prefill)
+    # speculate in rounds that carry a prefill chunk: off, as a tree beside a prompt chunk costs
+    # the round far more than the tokens it adds
     spec_with_prefill: bool = False
     # where the model picks plain at up to model_probe_max_seqs sequences but its best tree models
     # within model_probe_margin of plain, run that tree every model_probe_every rounds (0: never),
     # and every model_probe_every x model_probe_far rounds however far below (0: never), so a
-    # cost learnt in a slow spell is measured again (bench/trace_budget.py)
+    # cost learnt in a slow spell is measured again
     model_probe_every: int = 16
     model_probe_margin: float = 0.1
     model_probe_max_seqs: int = 4

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 # A further draft level's learnt cost never falls below this share of the first level's: deep
 # rounds move only the further levels' curve, and without a floor trees drafted 4-5 levels deep
-# looked as cheap as one-level ones (bench/bench_budget_c1.py). Relative, so a profile taken in a
-# slow spell can still learn its way down.
+# looked as cheap as one-level ones. Relative, so a profile taken in a slow spell can still learn
+# its way down.
 GROW_FLOOR = 0.25
 
 

@@ -20,8 +20,8 @@ class TreeBudget(TreeSearch, MeasuredGuard, BudgetPolicy):
     def __init__(self, costs: CostModel, config: BudgetConfig):
         """A budget that sizes each round's trees to the most modelled tokens per second and
         learns as it goes: the cost curves from every round's wall time, the expected node
-        confidences per draft depth (one running prior shared by all sequences, which predicts
-        a round better than a sequence's own last round: bench/bench_budget_stats.py) and their
+        confidences per draft depth (one running prior shared by all sequences: a sequence's own
+        last round barely predicts its next one) and their
         calibration from every verified tree, and the measured guard's rates from pure decode
         rounds. A tree runs only where it models `min_gain` over plain; while speculating, one
         round in `explore_every` runs plain (and one at full depth) so what speculation is
@@ -132,7 +132,7 @@ class TreeBudget(TreeSearch, MeasuredGuard, BudgetPolicy):
         1 / plain - 1 / best seconds (the modelled rates at this batch size) per token it still
         emits. Where the backlog costs more than that over its remaining tokens, the sequence
         is retired: it decodes plainly, its head is not kept in step (`sync` False), and the
-        tree is searched for the others (bench/bench_round_overhead.py)."""
+        tree is searched for the others."""
         n = len(caps)
         promotes = not prefill_tokens and self.guard_promotes(n)  # judged once a round; the retirement prices it too
         retired = self._retire(caps, backlogs, remaining, prefill_tokens, promotes)
