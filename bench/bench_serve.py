@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import statistics
@@ -396,13 +397,14 @@ def build_engine(kind: str, draft: str | None = None, dtype: str = "bfloat16", k
     elif kind not in ("on", "on-plain", "on-nopromote"):
         raise SystemExit(f"unknown engine {kind!r} (on, off, on-plain, on-nopromote, on-z<Z>)")
     llm = LLM(None, draft=draft or default_draft_path(), spec=SpecConfig("eagle2"), **common)
-    if kind == "on-plain":
-        llm.budget.min_gain = llm.budget.min_gain_one = float("inf")  # models no tree as a gain: always plain
-        llm.budget.model_probe_every = 0  # and no probes of what it priced out
+    cfg = llm.budget.config
+    if kind == "on-plain":  # models no tree as a gain (always plain), and no probes of what it priced out
+        cfg = dataclasses.replace(cfg, min_gain=float("inf"), min_gain_one=float("inf"), model_probe_every=0)
     if kind == "on-nopromote":  # the measured guard never turns plain rounds to speculation
-        llm.budget.guard_promote = False
+        cfg = dataclasses.replace(cfg, guard_promote=False)
     if z is not None:
-        llm.budget.guard_z = z
+        cfg = dataclasses.replace(cfg, guard_z=z)
+    llm.budget.config = cfg
     return llm
 
 
@@ -426,9 +428,9 @@ def engine_result(args, draft, pools, engines) -> dict:
             "guard_measured": {str(n): m for n, m in sorted(engines["on"].budget.measured.items())},
             # every budget engine's counters (on, and on-plain / on-z<Z> where run)
             "budget_rounds_by_engine": {name: {"chosen": e.budget.rounds, "speculating": e.budget.spec_rounds,
-                                               "guarded_plain": e.budget.guarded, "guard_z": e.budget.guard_z,
+                                               "guarded_plain": e.budget.guarded, "guard_z": e.budget.config.guard_z,
                                                "model_probes": e.budget.model_probes, "promoted": e.budget.promoted,
-                                               "guard_promote": e.budget.guard_promote}
+                                               "guard_promote": e.budget.config.guard_promote}
                                         for name, e in engines.items() if e.budget is not None}}
 
 

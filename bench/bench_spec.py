@@ -33,6 +33,7 @@ markdown table for the README.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import gzip
 import json
@@ -188,9 +189,9 @@ def spec_system(spec: SpecConfig, args, budget: bool = False, full_vocab: bool =
     finally:
         engine_profile.PROFILE_CONTEXT = saved
     if guard_z is not None:
-        llm.budget.guard_z = guard_z
+        llm.budget.config = dataclasses.replace(llm.budget.config, guard_z=guard_z)
     if min_gain is not None:  # single stream: the margin a single sequence needs, and batches' alike
-        llm.budget.min_gain = llm.budget.min_gain_one = min_gain
+        llm.budget.config = dataclasses.replace(llm.budget.config, min_gain=min_gain, min_gain_one=min_gain)
     if full_vocab:
         llm.runner.drafter.head.lm_head = None  # rank the whole vocabulary through the target's LM head
     if python_tree:
@@ -220,8 +221,8 @@ def spec_system(spec: SpecConfig, args, budget: bool = False, full_vocab: bool =
             "tree_budget": budget, "full_vocab": full_vocab,
             "python_tree": python_tree,
             "draft_int8": llm.runner.draft_int8,
-            "guard_z": llm.budget.guard_z if llm.budget is not None else None,
-            "min_gain": llm.budget.min_gain if llm.budget is not None else None,
+            "guard_z": llm.budget.config.guard_z if llm.budget is not None else None,
+            "min_gain": llm.budget.config.min_gain if llm.budget is not None else None,
             "profile_context": profile_context if profile_context is not None else engine_profile.PROFILE_CONTEXT,
             "cost_profile": llm.cost_profile}
     name = (spec_name(spec) + ("-budget" if budget else "") + ("-fullvocab" if full_vocab else "")

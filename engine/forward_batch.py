@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 from eagle_serve.engine import kernels
 
 

@@ -14,12 +14,14 @@ estimate errs towards a smaller cache. The arithmetic is in pure functions (`kv_
 from __future__ import annotations
 
 import torch
+
 from eagle_serve.engine.attention import TorchAttention
 from eagle_serve.engine.cuda_graphs import default_buckets, graphs_enabled
 from eagle_serve.engine.forward_batch import SeqSpan, build_forward_batch
 from eagle_serve.engine.kv_cache import KVCache
 from eagle_serve.engine.speculative.eagle_drafter import feature_width
 from eagle_serve.engine.speculative.eagle_head import head_aux_layers
+
 
 GIB = 1 << 30
 

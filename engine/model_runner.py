@@ -12,19 +12,17 @@ from eagle_serve.engine.attention import make_backend
 from eagle_serve.engine.config import EngineConfig
 from eagle_serve.engine.cuda_graphs import GraphRunner, scratch_blocks
 from eagle_serve.engine.forward_batch import SeqSpan, take_rows
+from eagle_serve.engine.gpu_memory import cuda_kv_cache_tokens, engine_kv_bytes_per_token
 from eagle_serve.engine.kv_cache import KVCache
 from eagle_serve.engine.layers import FAST_DTYPES
 from eagle_serve.engine.loader import LoadedModel, load_model
 from eagle_serve.engine.sampler import Picks, PicksView, SampleRow
 from eagle_serve.engine.speculative.accept import walk
-from eagle_serve.engine.speculative.config import SpecConfig
 from eagle_serve.engine.speculative.drafters import Drafter, NgramDrafter, NoDrafter
-from eagle_serve.engine.speculative.tree import DraftTree, root_only
-from eagle_serve.engine.step_io import SeqResult, SeqStep
-from eagle_serve.engine.gpu_memory import cuda_kv_cache_tokens
-from eagle_serve.engine.gpu_memory import engine_kv_bytes_per_token
 from eagle_serve.engine.speculative.eagle_drafter import EagleDrafter
 from eagle_serve.engine.speculative.eagle_head import load_eagle_head
+from eagle_serve.engine.speculative.tree import DraftTree, root_only
+from eagle_serve.engine.step_io import SeqResult, SeqStep
 
 
 @dataclass
@@ -163,12 +161,12 @@ class ModelRunner:
     @property
     def catchup_seconds(self) -> float:
         """Seconds the drafter spent consuming backlogs of pending pairs (cumulative)."""
-        return getattr(self.drafter, "catchup_seconds", 0.0)
+        return self.drafter.catchup_seconds
 
     @property
     def catchup_pairs(self) -> int:
         """The pairs those catch-ups consumed (cumulative)."""
-        return getattr(self.drafter, "catchup_pairs", 0)
+        return self.drafter.catchup_pairs
 
     def release(self, seq_id: int) -> None:
         self.drafter.release(seq_id)

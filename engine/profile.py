@@ -10,7 +10,7 @@ taken then is wrong for the whole run: the online correction fixes the curve's l
 rounds but not its slope over the tree sizes they never run.
 So a contended profile is taken again (`attempts`, `wait` seconds apart) and every point keeps
 its fastest measurement; if every attempt was contended the result says so (`contended`) and
-the engine profiles again when it is next idle (`server.llm.LLM.run_idle`)."""
+the engine profiles again when it is next idle (`eagle_serve.scheduler.budget.reprofile.CostProfiles.run_idle`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -21,10 +21,11 @@ import time
 import torch
 
 from eagle_serve.engine.forward_batch import SeqSpan
-from eagle_serve.engine.speculative.drafters import NoDrafter
-from eagle_serve.engine.step_io import SeqStep
 from eagle_serve.engine.sampling_params import SamplingParams
+from eagle_serve.engine.speculative.drafters import NoDrafter
 from eagle_serve.engine.speculative.eagle_drafter import feature_width
+from eagle_serve.engine.step_io import SeqStep
+
 
 VERIFY_GRID = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # linear beyond
 SMALL_TOKENS = 16  # verify points up to here are timed in interleaved sweeps (ProfileRun)
@@ -278,7 +279,7 @@ class ProfileRun:
         # the points' catch-ups (the warm-up rounds consume each sequence's prompt pairs) are not
         # what requests cost: the drafter's cumulative counters come back as they were, so the
         # benchmarks' catch-up seconds leave the start-up profile's out
-        counters = getattr(drafter, "catchup_seconds", None), getattr(drafter, "catchup_pairs", None)
+        counters = drafter.catchup_seconds, drafter.catchup_pairs
         try:
             for s in steps:  # the prompt's pairs, consumed by the untimed warm-up round
                 drafter.observe(dataclasses.replace(s, num_cached=0), s.prompt_token_ids[1:] + [1], feats, reset=True)
@@ -287,8 +288,7 @@ class ProfileRun:
         finally:
             for s in steps:
                 drafter.release(s.seq_id)
-            if counters[0] is not None:
-                drafter.catchup_seconds, drafter.catchup_pairs = counters
+            drafter.catchup_seconds, drafter.catchup_pairs = counters
         return True
 
     def result(self, min_share: float | None = None) -> dict:

@@ -58,6 +58,11 @@ async def run_concurrently(llm, reqs, stagger=0.0):
     return outs
 
 
+def _uniform(n: int, size: int, depth: int | None = None) -> RoundPlan:
+    """The same tree for each of n sequences, every head kept in step."""
+    return RoundPlan((size,) * n, (depth,) * n, (True,) * n)
+
+
 class RecordingBudget(BudgetPolicy):
     """A budget double: subclasses choose; it learns nothing and records the rounds observed."""
 
@@ -85,7 +90,7 @@ class FixedBudget(RecordingBudget):
         self.size, self.depth = size, depth
 
     def choose(self, caps, prefill_tokens=0, backlogs=None, remaining=None) -> RoundPlan:
-        return RoundPlan.uniform(len(caps), self.size, self.depth)
+        return _uniform(len(caps), self.size, self.depth)
 
 
 @pytest.mark.parametrize("spec", ["none", "eagle2-fixed", "eagle2-budget"])
@@ -901,7 +906,7 @@ def test_shared_budget_picks_the_depth_and_size_that_pay():
     many = list(b.choose([8] * 32).sizes)
     assert max(many) < 6
     b.calibration = 0.05
-    assert b.choose([8] * 32) == RoundPlan.uniform(32, 1)
+    assert b.choose([8] * 32) == _uniform(32, 1)
 
 
 def test_shared_budget_explores_plain_and_full_depth_while_speculating():
@@ -1046,7 +1051,7 @@ def test_startup_profiler_runs_on_a_tiny_model(tiny_llama, head_dir):
     prof = llm.cost_profile
     assert [t for t, _ in prof["verify"]][:4] == [1, 2, 3, 4] and prof["verify"][-1][0] <= 64
     assert [n for n, _ in prof["draft"]] == [n for n, _ in prof["draft_first"]] == [1, 2, 4, 8]
-    assert prof["depth"] == 3 and llm.budget.max_depth == 3 and llm.budget.costs.per_level
+    assert prof["depth"] == 3 and llm.budget.config.max_depth == 3 and llm.budget.costs.per_level
     assert all(s > 0 for _, s in prof["verify"] + prof["draft"])
     ys = [s for _, s in prof["verify"]]
     assert all(a <= b for a, b in zip(ys, ys[1:]))  # a forward of more tokens never costs less
@@ -1111,7 +1116,7 @@ class AlternatingBudget(RecordingBudget):
 
     def choose(self, caps, prefill_tokens=0, backlogs=None, remaining=None) -> RoundPlan:
         self.rounds += 1
-        return RoundPlan.uniform(len(caps), 8 if self.rounds % 9 == 0 else 1)
+        return _uniform(len(caps), 8 if self.rounds % 9 == 0 else 1)
 
 
 def _alternating_engine(tiny_llama, head_dir, monkeypatch, budget):
@@ -1197,7 +1202,7 @@ class ResumingBudget(RecordingBudget):
 
     def choose(self, caps, prefill_tokens=0, backlogs=None, remaining=None) -> RoundPlan:
         self.rounds += 1
-        return RoundPlan.uniform(len(caps), 4 if self.rounds in (2, self.resume) else 1)
+        return _uniform(len(caps), 4 if self.rounds in (2, self.resume) else 1)
 
 
 def test_head_catch_up_waits_for_the_next_draft_once_the_engine_stops_drafting(tiny_llama, head_dir, monkeypatch):

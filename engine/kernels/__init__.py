@@ -18,7 +18,9 @@ import functools
 import logging
 import os
 import sys
+
 from eagle_serve.engine.config import env_flag
+
 
 log = logging.getLogger(__name__)
 # The module is built for one of two instruction sets, the first this CPU has (the sources are

@@ -17,6 +17,10 @@ from eagle_serve.engine.step_io import SeqStep
 
 class Drafter(abc.ABC):
     needs_features = False
+    # Head forwards spent consuming backlogs of observed pairs, and the pairs they consumed
+    # (cumulative; the loop leaves these seconds out of the round time the budget learns from).
+    catchup_seconds: float = 0.0
+    catchup_pairs: int = 0
 
     @abc.abstractmethod
     def propose(self, steps: list[SeqStep], max_depths: list[int]) -> list[DraftTree]:

@@ -25,13 +25,14 @@ from eagle_serve.engine import hugepages
 from eagle_serve.engine.attention import make_backend
 from eagle_serve.engine.forward_batch import SeqSpan, build_forward_batch, take_rows
 from eagle_serve.engine.kv_cache import KVCache
+from eagle_serve.engine.layers import RotaryEmbedding
 from eagle_serve.engine.models.llama import LlamaForCausalLM
 from eagle_serve.engine.speculative.config import SpecConfig
 from eagle_serve.engine.speculative.drafters import Drafter
 from eagle_serve.engine.speculative.eagle_head import _NONE, EagleHead, shares_target_rotary
 from eagle_serve.engine.speculative.tree import Candidates, DraftTree, build_tree, root_only, select_best
 from eagle_serve.engine.step_io import SeqStep
-from eagle_serve.engine.layers import RotaryEmbedding
+
 
 MAX_CONFIDENCE = 64  # node confidences reported per round (the budget's largest tree)
 SYNC_BACKLOG = 128  # pending pairs at which a sequence that is not drafting catches up

@@ -3,7 +3,7 @@ target's own distribution rather than another model's answers.
 
 The engine comes from the caller (`open_llm`, a zero-argument callable returning an engine with
 `tokenizer`, `max_model_len`, `generate(prompts, params)` and `runner.loaded.eos_token_ids`, as
-`eagle_serve.server.llm.LLM` has): the training package never builds a server-side object itself.
+the server's `LLM` has): the training package never builds a server-side object itself.
 """
 from __future__ import annotations
 

@@ -10,7 +10,8 @@ class BudgetConfig:
     engine's; benchmarks vary them through `dataclasses.replace`."""
 
     max_tree_tokens: int  # the configured tree, root included: the most one sequence verifies
-    max_depth: int | None = None  # the configured draft depth (None: size trees only, every draft costs a profiled round)
+    # the configured draft depth (None: size trees only; every draft costs a profiled round)
+    max_depth: int | None = None
     prior: tuple[float, ...] = ()  # node confidences, best first, assumed before any round (): a 0.6^i chain
     ema: float = 0.02  # step of the running prior and calibration
     cost_rate: float = 0.1  # step of the online cost correction (0: keep the start-up profile)

@@ -18,11 +18,6 @@ class RoundPlan:
         if not len(self.sizes) == len(self.depths) == len(self.sync):
             raise ValueError("a round plan needs one size, depth and sync per sequence")
 
-    @classmethod
-    def uniform(cls, n: int, size: int, depth: int | None = None, sync: bool = True) -> RoundPlan:
-        """The same tree for each of n sequences."""
-        return cls((size,) * n, (depth,) * n, (sync,) * n)
-
 
 class BudgetPolicy(ABC):
     """Sizes each round's draft trees from what earlier rounds measured.
