@@ -104,7 +104,7 @@ def main() -> None:
     result = {"base": base_rev, "head": head_rev, "reps": a.reps, "spec_args": spec_args,
               "serve_args": serve_args, "cpu_count": os.cpu_count(), "runs": runs, "summary": table}
     Path(a.out).write_text(json.dumps(result, indent=1))
-    print(f"| figure | base tok/s | head tok/s | head / base |\n|---|---|---|---|")
+    print("| figure | base tok/s | head tok/s | head / base |\n|---|---|---|---|")
     for k, v in table.items():
         print(f"| {k} | {v['base_tok_s']:.1f} | {v['head_tok_s']:.1f} | {v['head_over_base']:.3f} |")
     print("wrote", a.out)

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import os
 import statistics
@@ -396,15 +395,15 @@ def build_engine(kind: str, draft: str | None = None, dtype: str = "bfloat16", k
             raise SystemExit(f"bad engine {kind!r}: on-z<Z> takes a number Z >= 0")
     elif kind not in ("on", "on-plain", "on-nopromote"):
         raise SystemExit(f"unknown engine {kind!r} (on, off, on-plain, on-nopromote, on-z<Z>)")
-    llm = LLM(None, draft=draft or default_draft_path(), spec=SpecConfig("eagle2"), **common)
-    cfg = llm.budget.config
+    overrides = {}
     if kind == "on-plain":  # models no tree as a gain (always plain), and no probes of what it priced out
-        cfg = dataclasses.replace(cfg, min_gain=float("inf"), min_gain_one=float("inf"), model_probe_every=0)
+        overrides.update(min_gain=float("inf"), min_gain_one=float("inf"), model_probe_every=0)
     if kind == "on-nopromote":  # the measured guard never turns plain rounds to speculation
-        cfg = dataclasses.replace(cfg, guard_promote=False)
+        overrides["guard_promote"] = False
     if z is not None:
-        cfg = dataclasses.replace(cfg, guard_z=z)
-    llm.budget.config = cfg
+        overrides["guard_z"] = z
+    llm = LLM(None, draft=draft or default_draft_path(), spec=SpecConfig("eagle2"), budget_overrides=overrides,
+              **common)
     return llm
 
 

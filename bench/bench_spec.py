@@ -33,7 +33,6 @@ markdown table for the README.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import gzip
 import json
@@ -50,7 +49,6 @@ import bench_decode as bd  # noqa: E402  (puts the project root on sys.path)
 import torch  # noqa: E402
 
 from eagle_serve.engine import profile as engine_profile  # noqa: E402
-from eagle_serve.engine.default_model import cache_dir  # noqa: E402
 from eagle_serve.engine.sampling_params import SamplingParams  # noqa: E402
 from eagle_serve.engine.speculative.config import SpecConfig  # noqa: E402
 from eagle_serve.server.llm import LLM  # noqa: E402
@@ -179,19 +177,15 @@ def spec_system(spec: SpecConfig, args, budget: bool = False, full_vocab: bool =
     """Our engine with `spec` (a fixed tree, or the tree budget, guard_z / min_gain: its guard's
     margin / the model's required gain where not the defaults); run() adds the request's spec
     counters and phase seconds."""
-    saved = engine_profile.PROFILE_CONTEXT
-    if profile_context is not None:  # the start-up profile at this context (a later idle-time one: the default)
-        engine_profile.PROFILE_CONTEXT = profile_context
-    try:
-        llm = LLM(None, dtype=args.dtype, spec=spec, draft=(draft or args.draft) if spec.uses_head else None,
-                  kv_cache_tokens=KV_CACHE_TOKENS, tree_budget=budget,
-                  **({"draft_quantization": quantization or args.draft_quantization} if spec.uses_head else {}))
-    finally:
-        engine_profile.PROFILE_CONTEXT = saved
+    overrides = {}
     if guard_z is not None:
-        llm.budget.config = dataclasses.replace(llm.budget.config, guard_z=guard_z)
+        overrides["guard_z"] = guard_z
     if min_gain is not None:  # single stream: the margin a single sequence needs, and batches' alike
-        llm.budget.config = dataclasses.replace(llm.budget.config, min_gain=min_gain, min_gain_one=min_gain)
+        overrides.update(min_gain=min_gain, min_gain_one=min_gain)
+    llm = LLM(None, dtype=args.dtype, spec=spec, draft=(draft or args.draft) if spec.uses_head else None,
+              kv_cache_tokens=KV_CACHE_TOKENS, tree_budget=budget, budget_overrides=overrides,
+              profile_context=profile_context,
+              **({"draft_quantization": quantization or args.draft_quantization} if spec.uses_head else {}))
     if full_vocab:
         llm.runner.drafter.head.lm_head = None  # rank the whole vocabulary through the target's LM head
     if python_tree:

@@ -26,9 +26,15 @@ log = logging.getLogger("eagle_serve")
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **engine_kwargs):
-        """Built on the process's engine thread (scheduler.worker), where its steps run too."""
+    def __init__(self, model: str | None = None, *, budget_overrides: dict | None = None,
+                 profile_context: int | None = None, **engine_kwargs):
+        """Built on the process's engine thread (scheduler.worker), where its steps run too.
+        `budget_overrides`: `BudgetConfig` fields that differ from the served defaults;
+        `profile_context`: committed tokens per sequence in the start-up cost profile (None: the
+        profile's default). Both only apply where the tree budget runs."""
         self.engine_config = EngineConfig(model=model, **engine_kwargs)
+        self._budget_overrides = dict(budget_overrides or {})
+        self._profile_context = profile_context
         on_engine_thread(self._build)
 
     def _build(self) -> None:
@@ -49,9 +55,11 @@ class LLM:
             from eagle_serve.scheduler.budget import BudgetConfig, CostProfiles, TreeBudget
             self.cost_profiles = CostProfiles(self._start_idle_profile, extend,
                                               lambda prof: self.budget.set_costs(self._costs(prof)), self.allocator)
-            prof = self.cost_profiles.record(profile_costs(self.runner, c.max_num_batched_tokens, c.max_num_seqs))
+            prof = self.cost_profiles.record(profile_costs(self.runner, c.max_num_batched_tokens, c.max_num_seqs,
+                                                           context=self._profile_context))
             self.budget = TreeBudget(self._costs(prof), BudgetConfig(
-                spec.tree_tokens, max_depth=spec.max_depth if spec.method == "eagle2" else None))
+                spec.tree_tokens, max_depth=spec.max_depth if spec.method == "eagle2" else None,
+                **self._budget_overrides))
         self.loop = EngineLoop(self.runner, self.tokenizer, self.allocator, sched,
                                loaded.eos_token_ids, loaded.config.vocab_size,
                                spec_tokens=spec.max_depth + 1, spec_slots=spec.scratch_slots, budget=self.budget,

@@ -1570,3 +1570,26 @@ def test_a_prompts_one_token_last_chunk_reserves_one_slot():
     step = sched.schedule()  # its last one
     assert step == [a] and a.num_scheduled == 1 and not a.decoding
     assert len(a.table.blocks) == 3  # 9 tokens in blocks of 4 (the scratch made it 5)
+
+
+def test_llm_builds_its_budget_with_the_given_overrides_and_profile_context(tiny_llama, head_dir, monkeypatch):
+    """LLM(budget_overrides=..., profile_context=...) reaches the budget's config and the start-up
+    profile; an unknown budget field is refused."""
+    import eagle_serve.engine.profile as prof_mod
+    contexts = []
+    real = prof_mod.ProfileRun.__init__
+
+    def spy(self, runner, max_tokens, max_seqs, context=None, *a, **k):
+        contexts.append(context)
+        real(self, runner, max_tokens, max_seqs, context, *a, **k)
+
+    monkeypatch.setattr(prof_mod.ProfileRun, "__init__", spy)
+    spec = SpecConfig("eagle2", total_tokens=8, depth=3, top_k=2)
+    llm = LLM(tiny_llama[0], **KW, kv_cache_tokens=2048, draft=head_dir, spec=spec, max_num_seqs=4,
+              max_num_batched_tokens=32, budget_overrides={"guard_z": 2.5, "min_gain": 0.2}, profile_context=16)
+    assert (llm.budget.config.guard_z, llm.budget.config.min_gain) == (2.5, 0.2)
+    assert llm.budget.config.min_gain_one == BudgetConfig(8).min_gain_one
+    assert contexts and set(contexts) == {16}
+    with pytest.raises(TypeError, match="no_such_field"):
+        LLM(tiny_llama[0], **KW, kv_cache_tokens=2048, draft=head_dir, spec=spec, max_num_seqs=4,
+            max_num_batched_tokens=32, budget_overrides={"no_such_field": 1})
