@@ -5,7 +5,7 @@ builds alternating repetition by repetition in one run so that machine drift hit
     python bench/bench_builds.py --base REF [--reps 2] [--out bench/results/builds_ab.json]
 
 REF is any git revision; it is checked out in a temporary worktree. The other build is this
-working tree. A build whose packages install as eagle_serve.{engine,scheduler,server} is put on
+working tree, or `--head REF2` checked out the same way. A build whose packages install as eagle_serve.{engine,scheduler,server} is put on
 the path through a shim package; an older build with top-level packages through its root.
 """
 from __future__ import annotations
@@ -62,6 +62,7 @@ def _serve_figures(res: dict) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", required=True, help="git revision of the build to compare against")
+    ap.add_argument("--head", default=None, help="git revision of the other build (default: this working tree)")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=4, help="bench_spec.py prompts per set")
     ap.add_argument("--max-new", type=int, default=96)
@@ -75,15 +76,16 @@ def main() -> None:
                   "--min-requests", "8", "--max-new", str(a.max_new), "--prompts", "8"]
     base_rev = subprocess.run(["git", "rev-parse", a.base], cwd=ROOT, capture_output=True, text=True,
                               check=True).stdout.strip()
-    head_rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+    head_rev = subprocess.run(["git", "rev-parse", a.head or "HEAD"], cwd=ROOT, capture_output=True, text=True,
                               check=True).stdout.strip()
     with tempfile.TemporaryDirectory(prefix="eagle-builds-") as tmp:
         tmp = Path(tmp)
-        base_tree = tmp / "base"
-        subprocess.run(["git", "worktree", "add", "--detach", "-q", str(base_tree), base_rev], cwd=ROOT, check=True)
+        trees = {"base": tmp / "base", "head": tmp / "head" if a.head else ROOT}
+        for name, rev in (("base", base_rev), ("head", head_rev)):
+            if trees[name] != ROOT:
+                subprocess.run(["git", "worktree", "add", "--detach", "-q", str(trees[name]), rev], cwd=ROOT, check=True)
         try:
-            builds = {"base": (base_tree, _pythonpath(base_tree, tmp / "shim-base")),
-                      "head": (ROOT, _pythonpath(ROOT, tmp / "shim-head"))}
+            builds = {name: (tree, _pythonpath(tree, tmp / f"shim-{name}")) for name, tree in trees.items()}
             runs: dict[str, list[dict]] = {"base": [], "head": []}
             for rep in range(a.reps):
                 order = ["base", "head"] if rep % 2 == 0 else ["head", "base"]
@@ -94,7 +96,9 @@ def main() -> None:
                     serve = _run(tree, pp, "bench_serve.py", serve_args, tmp / f"serve_{name}_{rep}.json")
                     runs[name].append({**_spec_figures(spec), **_serve_figures(serve)})
         finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(base_tree)], cwd=ROOT)
+            for tree in trees.values():
+                if tree != ROOT:
+                    subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT)
     keys = sorted(set(runs["base"][0]) & set(runs["head"][0]))
     table = {}
     for k in keys:

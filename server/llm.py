@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence as Seq
 
 from eagle_serve.engine.config import EngineConfig
@@ -38,7 +39,12 @@ class LLM:
         on_engine_thread(self._build)
 
     def _build(self) -> None:
+        start = time.perf_counter()
+        log.info("start-up: loading %s: weights and KV cache%s",
+                 self.engine_config.model or "the embedded default model",
+                 ", and the draft head" if self.engine_config.spec.uses_head else "")
         self.runner = ModelRunner(self.engine_config)
+        log.info("start-up: model loaded in %.1f s", time.perf_counter() - start)
         loaded = self.runner.loaded
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
@@ -51,12 +57,12 @@ class LLM:
         self.budget = None
         self.cost_profiles = None  # the tree budget's cost profiles (scheduler.budget.CostProfiles)
         if spec.method != "none" and c.tree_budget:
-            from eagle_serve.engine.profile import extend, profile_costs
-            from eagle_serve.scheduler.budget import BudgetConfig, CostProfiles, TreeBudget
-            self.cost_profiles = CostProfiles(self._start_idle_profile, extend,
-                                              lambda prof: self.budget.set_costs(self._costs(prof)), self.allocator)
-            prof = self.cost_profiles.record(profile_costs(self.runner, c.max_num_batched_tokens, c.max_num_seqs,
-                                                           context=self._profile_context))
+            from eagle_serve.scheduler.budget import BudgetConfig, TreeBudget
+            start = time.perf_counter()
+            log.info("start-up: tree budget cost profile (the load-aware tree budget sizes each round's "
+                     "draft tree from the step costs it measures)")
+            prof = self._start_cost_profiles()
+            log.info("start-up: tree budget cost profile done in %.1f s", time.perf_counter() - start)
             self.budget = TreeBudget(self._costs(prof), BudgetConfig(
                 spec.tree_tokens, max_depth=spec.max_depth if spec.method == "eagle2" else None,
                 **self._budget_overrides))
@@ -66,6 +72,30 @@ class LLM:
                                idle_work=self.cost_profiles, tree_tokens=spec.tree_tokens)
 
     # ------------------------------------------------------------------ the tree budget's cost profile
+    def _start_cost_profiles(self) -> dict:
+        """The start-up cost profile: read from the on-disk cache when this engine on this
+        machine was profiled before (engine/profile_cache.py), else measured and stored if clean.
+        A later clean idle-time profile replaces the stored one."""
+        from eagle_serve.engine import profile_cache
+        from eagle_serve.engine.profile import extend, profile_costs
+        from eagle_serve.scheduler.budget import CostProfiles
+        c = self.engine_config
+        args = dict(max_tokens=c.max_num_batched_tokens, max_seqs=c.max_num_seqs, context=self._profile_context)
+        key = profile_cache.profile_key(self.runner, **args)
+
+        def adopt(prof: dict) -> None:
+            self.budget.set_costs(self._costs(prof))
+            profile_cache.store(key, prof)
+
+        self.cost_profiles = CostProfiles(self._start_idle_profile, extend, adopt, self.allocator)
+        prof = profile_cache.load(key)
+        if prof is not None:
+            log.info("tree budget cost profile: read from the cache")
+        else:
+            prof = profile_costs(self.runner, args["max_tokens"], args["max_seqs"], context=args["context"])
+            profile_cache.store(key, prof)
+        return self.cost_profiles.record(prof)
+
     @property
     def cost_profile(self) -> dict | None:
         """The profile the tree budget's costs came from (None without a budget)."""

@@ -75,3 +75,6 @@ def _profiles_ignore_machine_load(monkeypatch):
     its own tests (tests/test_scheduler.py, test_contended_*), which set the threshold they need."""
     import eagle_serve.engine.profile
     monkeypatch.setattr(eagle_serve.engine.profile, "MIN_CPU_SHARE", 0.0)
+    # every test measures its own engines: a profile cached by an earlier test (or run) would
+    # skip what the profiling tests check; the cache has its own tests, which turn it on
+    monkeypatch.setenv("EAGLE_SERVE_PROFILE_CACHE", "off")

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
+import os
 import random
 import time
+from pathlib import Path
 
 import pytest
 
@@ -1593,3 +1596,61 @@ def test_llm_builds_its_budget_with_the_given_overrides_and_profile_context(tiny
     with pytest.raises(TypeError, match="no_such_field"):
         LLM(tiny_llama[0], **KW, kv_cache_tokens=2048, draft=head_dir, spec=spec, max_num_seqs=4,
             max_num_batched_tokens=32, budget_overrides={"no_such_field": 1})
+
+
+def _budget_llm(tiny_llama, head_dir, **kw):
+    return LLM(tiny_llama[0], **KW, kv_cache_tokens=2048, draft=head_dir,
+               spec=SpecConfig("eagle2", total_tokens=8, depth=3, top_k=2), max_num_seqs=4, **kw)
+
+
+def test_a_second_start_reads_the_cost_profile_from_the_cache(tiny_llama, head_dir, tmp_path, monkeypatch):
+    """A clean start-up profile is stored; an engine built the same way reads it instead of
+    profiling; a changed key (the engine config, the model's files) profiles again."""
+    import eagle_serve.engine.profile as prof_mod
+    monkeypatch.setenv("EAGLE_SERVE_PROFILE_CACHE", str(tmp_path / "profiles"))
+    calls = []
+    real = prof_mod.profile_costs
+    monkeypatch.setattr(prof_mod, "profile_costs", lambda *a, **k: calls.append(a[1:3]) or real(*a, **k))
+    first = _budget_llm(tiny_llama, head_dir, max_num_batched_tokens=32)
+    assert len(calls) == 1 and len(list((tmp_path / "profiles").iterdir())) == 1
+    second = _budget_llm(tiny_llama, head_dir, max_num_batched_tokens=32)
+    assert len(calls) == 1  # read, not measured
+    assert second.cost_profile == first.cost_profile
+    assert second.budget.costs.verify_points == first.budget.costs.verify_points
+    _budget_llm(tiny_llama, head_dir, max_num_batched_tokens=48)  # another config: another key
+    assert calls == [(32, 4), (48, 4)]
+    weights = next(p for p in Path(tiny_llama[0]).iterdir() if p.suffix == ".safetensors")
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # the model's files changed
+    _budget_llm(tiny_llama, head_dir, max_num_batched_tokens=32)
+    assert len(calls) == 3
+    # the cache off: always measured
+    monkeypatch.setenv("EAGLE_SERVE_PROFILE_CACHE", "off")
+    _budget_llm(tiny_llama, head_dir, max_num_batched_tokens=32)
+    assert len(calls) == 4
+
+
+def test_a_contended_profile_is_not_cached_and_its_retries_back_off_then_stop(tiny_llama, head_dir, tmp_path,
+                                                                              monkeypatch):
+    """Contended profiles are never stored; idle-time retries wait twice as long each time and
+    stop after MAX_PROFILES, leaving no idle work due."""
+    import eagle_serve.engine.profile as prof_mod
+    monkeypatch.setenv("EAGLE_SERVE_PROFILE_CACHE", str(tmp_path / "profiles"))
+    monkeypatch.setattr(prof_mod, "MIN_CPU_SHARE", 2.0)  # every attempt contended
+    monkeypatch.setattr(prof_mod, "RETRY_WAIT", 0.0)
+    monkeypatch.setattr(prof_mod, "profile_costs", functools.partial(prof_mod.profile_costs, attempts=1))
+    llm = _budget_llm(tiny_llama, head_dir, max_num_batched_tokens=32)
+    profiles = llm.cost_profiles
+    assert not (tmp_path / "profiles").exists() or not list((tmp_path / "profiles").iterdir())
+    waits = []
+    while profiles.idle_due_in() is not None:
+        waits.append(round(profiles.due_at - time.monotonic()))
+        profiles.due_at = time.monotonic()  # due now
+        while True:  # the idle-time profile, a point at a time
+            llm.loop.run_idle()
+            if not profiles.under_way:
+                break
+    assert waits == [10, 20, 40]
+    assert len(profiles.history) == CostProfiles.MAX_PROFILES and all(p["contended"] for p in profiles.history)
+    assert not llm.loop.idle_due()
+    assert not (tmp_path / "profiles").exists() or not list((tmp_path / "profiles").iterdir())

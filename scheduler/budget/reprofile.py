@@ -29,8 +29,10 @@ class CostProfiles:
     hands a profile to the budget. Each point runs in the KV blocks that no sequence holds and
     no prefix caches, lent from `allocator` for that point only."""
 
-    REPROFILE_AFTER = 10.0  # seconds from a contended profile to the next try
-    MAX_PROFILES = 6  # the start-up profile and at most five idle-time ones
+    # Seconds from the first contended profile to the next try, doubled after each further one:
+    # beside a busy process an idle server spends little CPU on profiles that stay contended.
+    REPROFILE_AFTER = 10.0
+    MAX_PROFILES = 4  # the start-up profile and at most three idle-time ones
 
     def __init__(self, start: Callable[[], ProfileRun], merge: Callable[[dict, dict], dict],
                  adopt: Callable[[dict], None], allocator: BlockAllocator):
@@ -52,13 +54,18 @@ class CostProfiles:
                              "used": used})
         if used:
             self.current = prof
+        shares = ", ".join(f"{s:.2f}" for s in prof["cpu_share"])
         if prof["contended"] and len(self.history) < self.MAX_PROFILES:
-            self.due_at = time.monotonic() + self.REPROFILE_AFTER
+            wait = self.REPROFILE_AFTER * 2 ** (sum(p["contended"] for p in self.history) - 1)
+            self.due_at = time.monotonic() + wait
             log.warning("the tree budget's cost profile ran while other processes used the CPU (CPU share %s); "
-                        "profiling again when the engine is next idle",
-                        ", ".join(f"{s:.2f}" for s in prof["cpu_share"]))
+                        "profiling again when the engine is idle, in %.0f s or later", shares, wait)
         else:
             self.due_at = None
+            if prof["contended"]:
+                log.warning("the tree budget's cost profile ran while other processes used the CPU (CPU share %s) "
+                            "%d times: it stays in use, corrected online by the rounds the engine measures",
+                            shares, len(self.history))
         return prof
 
     def idle_due_in(self) -> float | None:
