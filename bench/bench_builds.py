@@ -39,7 +39,8 @@ def _pythonpath(tree: Path, shim_root: Path) -> str:
 
 
 def _run(tree: Path, pythonpath: str, script: str, args: list[str], out: Path) -> dict:
-    env = dict(os.environ, PYTHONPATH=pythonpath)
+    # every run profiles its own engine: a profile cached by an earlier run would make the runs unalike
+    env = dict(os.environ, PYTHONPATH=pythonpath, EAGLE_SERVE_PROFILE_CACHE="off")
     cmd = [sys.executable, f"bench/{script}", *args, "--out", str(out)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)

@@ -184,8 +184,7 @@ def create_app(state: ServerState) -> FastAPI:
         params = [sampling_params(req, max_tokens, top, i) for i in range(n)]
         handle = submit(state, [prompt] * n, params, req.user)
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return stream_response(state, chat_stream(state, handle, include_usage), handle)
+            return stream_response(state, chat_stream(state, handle, req.stream_options), handle)
         outs = await collect(request, state, handle)
         return chat_response(state, handle, outs)
 
@@ -202,8 +201,7 @@ def create_app(state: ServerState) -> FastAPI:
         if req.echo:
             handle.echo = [t for t in echo_texts(req, prompts, state.tokenizer) for _ in range(n)]
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return stream_response(state, completion_stream(state, handle, include_usage), handle)
+            return stream_response(state, completion_stream(state, handle, req.stream_options), handle)
         outs = await collect(request, state, handle)
         return completion_response(state, handle, outs)
 

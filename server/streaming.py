@@ -11,7 +11,7 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.background import BackgroundTask
 
 from eagle_serve.server.metrics import LatencyTracker
-from eagle_serve.server.protocol import ApiError
+from eagle_serve.server.protocol import ApiError, StreamOptions
 from eagle_serve.server.requests import Handle, engine_error, shutdown_error, timeout_error
 from eagle_serve.server.responses import TextOffsets, chat_logprobs, completion_logprobs, usage
 
@@ -92,17 +92,30 @@ def sse_event(obj) -> dict:
     return {"data": json.dumps(obj, ensure_ascii=False).translate(_LINE_BREAKS)}
 
 
-async def _sse(state: ServerState, handle: Handle, include_usage: bool, base: dict, opening: list[dict],
+class UsageChunks:
+    """Where a stream's usage goes: a last chunk of its own (include_usage), and with
+    continuous_usage_stats the usage so far on every chunk, a null usage otherwise."""
+
+    def __init__(self, options: StreamOptions | None):
+        self.final = bool(options and options.include_usage)
+        self.continuous = bool(options and options.continuous_usage_stats)  # (needs include_usage: check_common)
+
+    def field(self, state: ServerState, handle: Handle, latest: list) -> dict:
+        if self.continuous:  # the request's tokens so far, summed over its choices as the last chunk sums them
+            return {"usage": usage(state, handle, [o for o in latest if o is not None])}
+        return {"usage": None} if self.final else {}
+
+
+async def _sse(state: ServerState, handle: Handle, usage_chunks: UsageChunks, base: dict, opening: list[dict],
                choices_for):
     """The stream of one request: `opening` choices first, then choices_for(i, out, new_ids,
     new_logprobs) for every output of choice i, then the usage chunk and [DONE]. An error after
     the stream began is sent as an error event and ends the stream."""
-    usage_field = {"usage": None} if include_usage else {}
     tracker = LatencyTracker(state.metrics)
     sent = [0] * len(handle.seq_ids)
-    finals = [None] * len(handle.seq_ids)
+    latest = [None] * len(handle.seq_ids)  # each choice's last output: the final ones once all finished
     for choice in opening:
-        yield sse_event({**base, "choices": [choice], **usage_field})
+        yield sse_event({**base, "choices": [choice], **usage_chunks.field(state, handle, latest)})
     try:
         async for i, out in merged_outputs(state, handle):
             tracker.see(out)
@@ -112,19 +125,18 @@ async def _sse(state: ServerState, handle: Handle, include_usage: bool, base: di
             new_ids = out.token_ids[sent[i]:]
             lps = out.logprobs[sent[i]:] if out.logprobs is not None else None
             sent[i] = len(out.token_ids)
+            latest[i] = out
             for choice in choices_for(i, out, new_ids, lps):
-                yield sse_event({**base, "choices": [choice], **usage_field})
-            if out.finished:
-                finals[i] = out
+                yield sse_event({**base, "choices": [choice], **usage_chunks.field(state, handle, latest)})
     except ApiError as e:
         yield sse_event(e.body())
         return
-    if include_usage:
-        yield sse_event({**base, "choices": [], "usage": usage(state, handle, finals)})
+    if usage_chunks.final:
+        yield sse_event({**base, "choices": [], "usage": usage(state, handle, latest)})
     yield {"data": "[DONE]"}
 
 
-def chat_stream(state: ServerState, handle: Handle, include_usage: bool):
+def chat_stream(state: ServerState, handle: Handle, options: StreamOptions | None):
     base = {"id": f"chatcmpl-{handle.id}", "object": "chat.completion.chunk", "created": handle.created,
             "model": state.model_name}
     opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
@@ -136,10 +148,10 @@ def chat_stream(state: ServerState, handle: Handle, include_usage: bool):
                    "logprobs": chat_logprobs(state, new_ids, lps) if lps is not None else None, "finish_reason": None}
         if out.finished:
             yield {"index": i, "delta": {}, "logprobs": None, "finish_reason": out.finish_reason}
-    return _sse(state, handle, include_usage, base, opening, choices_for)
+    return _sse(state, handle, UsageChunks(options), base, opening, choices_for)
 
 
-def completion_stream(state: ServerState, handle: Handle, include_usage: bool):
+def completion_stream(state: ServerState, handle: Handle, options: StreamOptions | None):
     base = {"id": f"cmpl-{handle.id}", "object": "text_completion", "created": handle.created,
             "model": state.model_name}
     echoed = handle.echo or [""] * len(handle.prompts)
@@ -151,4 +163,4 @@ def completion_stream(state: ServerState, handle: Handle, include_usage: bool):
             lp_obj = completion_logprobs(state, new_ids, lps, offsets[i]) if lps is not None else None
             yield {"index": i, "text": out.text_delta, "logprobs": lp_obj,
                    "finish_reason": out.finish_reason if out.finished else None}
-    return _sse(state, handle, include_usage, base, opening, choices_for)
+    return _sse(state, handle, UsageChunks(options), base, opening, choices_for)

@@ -2,8 +2,10 @@
 
 `native()` returns the compiled module or None (neither AVX-512 with bf16 nor AVX2 with FMA, no
 compiler, or EAGLE_SERVE_NATIVE_KERNELS=0); callers then fall back to oneDNN / F.linear. The build is cached
-under the torch extensions folder, so only the first start pays for it (~40 s on the CPUs measured,
-~100 s on a 2-core Zen 3). The build is AVX-512 (with bf16 and VNNI dot products, and AMX tiles where
+under the torch extensions folder (TORCH_EXTENSIONS_DIR), in a folder named for a digest of the sources,
+headers, compiler flags and torch version: only the first start with those pays for it (~40 s on the
+CPUs measured, ~100 s on a 2-core Zen 3), and checkouts with other sources build beside it instead of
+over it. The build is AVX-512 (with bf16 and VNNI dot products, and AMX tiles where
 the CPU has them) or AVX2 + FMA, the first of BUILDS the CPU runs; EAGLE_SERVE_NATIVE_ISA=avx2 picks the AVX2
 build on an AVX-512 CPU too (a name the CPU cannot run leaves the kernels off, an unknown one is refused).
 
@@ -15,9 +17,12 @@ AVX2 loops only: products that run as AMX tiles (Intel, inputs a multiple of 32)
 from __future__ import annotations
 
 import functools
+import glob
+import hashlib
 import logging
 import os
 import sys
+import time
 
 from eagle_serve.engine.config import env_flag
 
@@ -31,6 +36,32 @@ BUILDS = (  # (name, CPU flags it needs, compiler flags)
      ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni"]),
     ("avx2", {"avx2", "fma"}, ["-O3", "-fopenmp", "-mavx2", "-mfma"]),
 )
+SOURCES = ("cpu_gemv.cpp", "cpu_attention.cpp", "cpu_decode.cpp")
+
+
+def kernel_files(folder: str) -> list[str]:
+    """The sources the build compiles and every header beside them."""
+    return [os.path.join(folder, f) for f in SOURCES] + sorted(glob.glob(os.path.join(folder, "*.h")))
+
+
+def build_name(isa_name: str, files: list[str], cflags: list[str]) -> str:
+    """The extension's name, and its build folder's: the instruction set and a digest of the files'
+    names and contents, the compiler flags and torch's version. Other sources never share a folder
+    (where each would rebuild over the other); identical ones, from any path, reuse one build."""
+    import torch
+    digest = hashlib.sha256()
+    for path in sorted(files, key=os.path.basename):
+        with open(path, "rb") as f:
+            digest.update(os.path.basename(path).encode() + b"\0" + f.read() + b"\0")
+    digest.update("\0".join([*cflags, torch.__version__]).encode())
+    return f"eagle_serve_cpu_kernels_{isa_name}_{digest.hexdigest()[:16]}"
+
+
+def build_directory(name: str) -> str:
+    """The folder torch's extension loader builds `name` in (made if missing): TORCH_EXTENSIONS_DIR/name,
+    else name under its per-user cache, one folder per Python and CUDA version."""
+    from torch.utils.cpp_extension import _get_build_directory
+    return _get_build_directory(name, verbose=False)
 
 
 def _cpuinfo(key: str) -> str:
@@ -83,21 +114,33 @@ def native():
         log.info("native CPU kernels need %s; using oneDNN / torch",
                  f"the {want} build's CPU flags (EAGLE_SERVE_NATIVE_ISA)" if want else "AVX-512 with bf16, or AVX2 with FMA")
         return None
-    name, _, flags = build
     try:
-        from torch.utils.cpp_extension import load
-        # the `ninja` wheel installs its binary next to the interpreter, maybe not on PATH
-        bindir = os.path.dirname(sys.executable)
-        if bindir not in os.environ.get("PATH", "").split(os.pathsep):
-            os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-        here = os.path.dirname(__file__)
-        sources = [os.path.join(here, f) for f in ("cpu_gemv.cpp", "cpu_attention.cpp", "cpu_decode.cpp")]
-        suffix = "" if name == "avx512" else "_" + name  # one cached build per instruction set
-        mod = load("eagle_serve_cpu_kernels" + suffix, sources, extra_cflags=flags, verbose=False)
+        mod = _load(build[0], build[2])
     except Exception as e:  # no compiler, no ninja, ...: fall back, loudly
         log.warning("native CPU kernels unavailable (%s); using oneDNN / torch", e)
         return None
     configure(mod)
+    return mod
+
+
+def _load(isa_name: str, cflags: list[str]):
+    """Build the module, or load the build cached for these sources and flags; logs which and how long."""
+    from torch.utils.cpp_extension import load
+    # the `ninja` wheel installs its binary next to the interpreter, maybe not on PATH
+    bindir = os.path.dirname(sys.executable)
+    if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+    here = os.path.dirname(__file__)
+    name = build_name(isa_name, kernel_files(here), cflags)
+    folder = build_directory(name)
+    cached = os.path.exists(os.path.join(folder, name + ".so"))
+    log.info("start-up: native CPU kernels (%s build): %s", isa_name, f"loading the cached build in {folder}"
+             if cached else f"building in {folder} (no build of these sources and flags yet; once)")
+    start = time.perf_counter()
+    mod = load(name, [os.path.join(here, f) for f in SOURCES], extra_cflags=cflags, build_directory=folder,
+               verbose=False)
+    log.info("start-up: native CPU kernels %s in %.1f s", "loaded from cache" if cached else "built",
+             time.perf_counter() - start)
     return mod
 
 
