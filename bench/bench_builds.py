@@ -2,11 +2,12 @@
 (bench_spec.py) and the in-process serving sweep (bench_serve.py), each build's own scripts, the
 builds alternating repetition by repetition in one run so that machine drift hits both alike.
 
-    python bench/bench_builds.py --base REF [--reps 2] [--out bench/results/builds_ab.json]
+    python bench/bench_builds.py --base REF [--head REF2] [--reps 2] [--out bench/out/builds_ab.json]
 
 REF is any git revision; it is checked out in a temporary worktree. The other build is this
-working tree, or `--head REF2` checked out the same way. A build whose packages install as eagle_serve.{engine,scheduler,server} is put on
-the path through a shim package; an older build with top-level packages through its root.
+working tree, or `--head REF2` checked out the same way. A build whose packages install as
+eagle_serve.{engine,scheduler,server} is put on the path through a shim package; an older build
+with top-level packages, through its root.
 """
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4, help="bench_spec.py prompts per set")
     ap.add_argument("--max-new", type=int, default=96)
     ap.add_argument("--concurrency", default="1,8")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "builds_ab.json"))
+    ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "builds_ab.json"), help="(bench/out/ is not tracked)")
     a = ap.parse_args()
 
     spec_args = ["--methods", "none,eagle2", "--draft", HEAD_DIR, "--eagle2", "4x2x2",
@@ -108,6 +109,7 @@ def main() -> None:
         table[k] = {"base_tok_s": b, "head_tok_s": h, "head_over_base": h / b}
     result = {"base": base_rev, "head": head_rev, "reps": a.reps, "spec_args": spec_args,
               "serve_args": serve_args, "cpu_count": os.cpu_count(), "runs": runs, "summary": table}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=1))
     print("| figure | base tok/s | head tok/s | head / base |\n|---|---|---|---|")
     for k, v in table.items():

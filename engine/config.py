@@ -1,9 +1,10 @@
 """Engine settings, parsed once at the edge (CLI / LLM) and validated here."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from eagle_serve.engine.speculative.config import SpecConfig
+from eagle_serve.engine.speculative.eagle3_config import is_eagle3_dir
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 DEVICES = ("auto", "cpu", "cuda")
@@ -48,7 +49,8 @@ class EngineConfig:
     # proposes, so the output does not change): one of DRAFT_QUANTIZATIONS; w8a8: their inputs
     # rounded to 8 bits too, as VNNI dot products (AVX-512 build)
     draft_quantization: str = "auto"
-    # None: eagle2 where a draft head is given, else none (as the CLI); a method name is its defaults
+    # None: eagle2 where a draft head is given, else none (as the CLI); a method name is its defaults.
+    # eagle2 with an EAGLE-3 head (engine.speculative.eagle3_config) is eagle3
     spec: SpecConfig | str | None = None
     # CUDA only (engine/cuda_graphs.py, docs/gpu.md): replay captured graphs for decode / verify steps
     cuda_graphs: bool = True
@@ -66,7 +68,10 @@ class EngineConfig:
         elif not isinstance(spec, SpecConfig):
             raise ValueError(f"spec must be a SpecConfig or a method name, got {spec!r}")
         if self.draft is not None and spec.method in ("ngram", "none"):
-            raise ValueError(f"a draft head does not apply to spec {spec.method!r} (eagle2 and eagle1 read one)")
+            raise ValueError(f"a draft head does not apply to spec {spec.method!r} (eagle2, eagle3 and eagle1 "
+                             "read one)")
+        if spec.method == "eagle2" and self.draft is not None and is_eagle3_dir(self.draft):
+            spec = replace(spec, method="eagle3")  # the same dynamic tree, drafted by the EAGLE-3 head
         object.__setattr__(self, "spec", spec)
         if self.draft_quantization not in DRAFT_QUANTIZATIONS:
             raise ValueError(f"draft_quantization must be one of {DRAFT_QUANTIZATIONS}, got {self.draft_quantization!r}")

@@ -19,6 +19,7 @@ from eagle_serve.engine.attention import TorchAttention
 from eagle_serve.engine.cuda_graphs import default_buckets, graphs_enabled
 from eagle_serve.engine.forward_batch import SeqSpan, build_forward_batch
 from eagle_serve.engine.kv_cache import KVCache
+from eagle_serve.engine.speculative.eagle3_config import eagle3_state_count
 from eagle_serve.engine.speculative.eagle_drafter import feature_width
 from eagle_serve.engine.speculative.eagle_head import head_aux_layers
 
@@ -66,10 +67,11 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, elemen
 
 def draft_feature_width(config, hidden_size: int) -> int:
     """The feature cache's width for an engine config's EAGLE head (0 without one): the target's
-    hidden size, times 1 + the head's fused layers (its config.json's aux_layers)."""
+    hidden size, times 1 + the head's fused layers (its config.json's aux_layers, or the hidden
+    states an EAGLE-3 head reads)."""
     if not (config.spec.uses_head and config.draft):
         return 0
-    return feature_width(hidden_size, head_aux_layers(config.draft))
+    return feature_width(hidden_size, head_aux_layers(config.draft) or range(eagle3_state_count(config.draft)))
 
 
 def engine_kv_bytes_per_token(config, model, dtype: torch.dtype) -> int:

@@ -20,7 +20,7 @@ from eagle_serve.engine.sampler import Picks, PicksView, SampleRow
 from eagle_serve.engine.speculative.accept import walk
 from eagle_serve.engine.speculative.drafters import Drafter, NgramDrafter, NoDrafter
 from eagle_serve.engine.speculative.eagle_drafter import EagleDrafter
-from eagle_serve.engine.speculative.eagle_head import load_eagle_head
+from eagle_serve.engine.speculative.eagle3_head import load_draft_head
 from eagle_serve.engine.speculative.tree import DraftTree, root_only
 from eagle_serve.engine.step_io import SeqResult, SeqStep
 
@@ -131,10 +131,10 @@ class ModelRunner:
             raise ValueError(f"spec method {spec.method!r} needs a draft head (--draft PATH); this model "
                              f"has none: use --spec ngram or --spec none")
         int8 = self._draft_int8()
-        head = load_eagle_head(self.config.draft, self.model, self.dtype).to(self.device)
+        head = load_draft_head(self.config.draft, self.model, self.dtype, spec.method).to(self.device)
         if self.device.type == "cpu":
             head.prepack(int8=int8, int8_inputs=self.draft_int8_inputs)
-        # a fused-feature head reads the target's features [f ; aux]: every forward returns them
+        # a fused-feature or EAGLE-3 head reads the target's features [f ; aux]: every forward returns them
         self.model.set_aux_layers(head.aux_layers)
         return EagleDrafter(head, self.model, spec, self.num_blocks, self.config.block_size, self.dtype, self.device,
                             self.config.attention)

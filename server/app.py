@@ -181,7 +181,7 @@ def create_app(state: ServerState) -> FastAPI:
             if max_tokens < 1:
                 raise ApiError(400, f"this model's maximum context length is {ctx} tokens; the messages have "
                                     f"{len(prompt)} tokens", "messages", "context_length_exceeded")
-        params = [sampling_params(req, max_tokens, top, i) for i in range(n)]
+        params = [sampling_params(req, max_tokens, top, i, state.llm.generation_defaults) for i in range(n)]
         handle = submit(state, [prompt] * n, params, req.user)
         if req.stream:
             return stream_response(state, chat_stream(state, handle, req.stream_options), handle)
@@ -196,7 +196,7 @@ def create_app(state: ServerState) -> FastAPI:
             raise ApiError(400, "this server has no tokenizer; send token ids", "prompt")
         prompts = await asyncio.to_thread(completion_prompts, req, state.tokenizer)  # (off the event loop)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
-        params = [sampling_params(req, max_tokens, req.logprobs, i) for i in range(n)]
+        params = [sampling_params(req, max_tokens, req.logprobs, i, state.llm.generation_defaults) for i in range(n)]
         handle = submit(state, [p for p in prompts for _ in range(n)], params * len(prompts), req.user)
         if req.echo:
             handle.echo = [t for t in echo_texts(req, prompts, state.tokenizer) for _ in range(n)]

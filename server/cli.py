@@ -39,9 +39,14 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return text + " (default: %(default)s)"
 
 
-def _spec_defaults(index: int) -> str:
-    """The per-method default of --total-tokens (0), --depth (1) or --top-k (2), for their help."""
-    return ", ".join(f"{m} {METHOD_DEFAULTS[m][index]}" for m in ("eagle2", "ngram"))
+def _spec_defaults(index: int, skip: tuple[str, ...]) -> str:
+    """The per-method defaults of --total-tokens (0), --depth (1) or --top-k (2), for their help,
+    over the methods that read the flag (not those in `skip`)."""
+    by_value: dict[int, list[str]] = {}
+    for method in METHODS:
+        if method not in skip:
+            by_value.setdefault(METHOD_DEFAULTS[method][index], []).append(method)
+    return ", ".join(f"{'/'.join(methods)} {value}" for value, methods in by_value.items())
 
 
 def _add_engine_args(p: argparse.ArgumentParser, batch: bool = True) -> None:
@@ -70,14 +75,16 @@ def _add_engine_args(p: argparse.ArgumentParser, batch: bool = True) -> None:
                    help="EAGLE draft head directory, `none`, or `default` (the embedded model's shipped head) "
                         "(default: the shipped head when --model is not given, else none)")
     p.add_argument("--spec", default=None, choices=METHODS,
-                   help="speculative method: eagle2 (dynamic draft tree), eagle1 (static tree), ngram "
-                        "(prompt lookup), none (default: eagle2 with a draft head, else none)")
+                   help="speculative method: eagle2 (dynamic draft tree), eagle3 (dynamic tree, EAGLE-3 head), "
+                        "eagle1 (static tree), ngram (prompt lookup), none "
+                        "(default: eagle2 with a draft head, eagle3 with an EAGLE-3 head, else none)")
     p.add_argument("--total-tokens", type=int, default=None,
-                   help=f"tokens verified per round, root included (default: {_spec_defaults(0)})")
+                   help=f"tokens verified per round, root included (default: {_spec_defaults(0, ('eagle1', 'none'))})")
     p.add_argument("--depth", type=int, default=None,
-                   help=f"draft depth per round (default: {_spec_defaults(1)})")
+                   help=f"draft depth per round (default: {_spec_defaults(1, ('eagle1', 'none'))})")
     p.add_argument("--top-k", type=int, default=None,
-                   help=f"children expanded per tree node, eagle2 only (default: {METHOD_DEFAULTS['eagle2'][2]})")
+                   help="children expanded per tree node, dynamic trees only "
+                        f"(default: {_spec_defaults(2, ('eagle1', 'ngram', 'none'))})")
     p.add_argument("--static-tree", default=None,
                    help="JSON file: list of child-rank paths, eagle1 only (default: a built-in 24-node tree)")
     p.add_argument("--draft-quantization", default="auto", choices=DRAFT_QUANTIZATIONS,
@@ -156,6 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog=SERVE_EXAMPLES)
     _add_engine_args(s)
     s.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model's name)")
+    s.add_argument("--generation-config", default="auto", metavar="{auto,vllm,PATH}",
+                   help="sampling defaults for fields a request leaves out, as vLLM's: auto reads the model "
+                        "directory's generation_config.json (the embedded default model: temperature 0.2, top-p "
+                        "0.9, at most 256 tokens), vllm uses temperature 1 / top-p 1, PATH a folder holding one; "
+                        "its max_new_tokens caps every request")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     s.add_argument("--port", type=_port, default=8000, help="TCP port to listen on")
     s.add_argument("--api-key", default=None,
@@ -283,7 +295,7 @@ def cmd_serve(args) -> int:
     draft = resolve_draft(args)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_cache_tokens=args.kv_cache_tokens,
               max_model_len=args.max_model_len, block_size=args.block_size, draft=draft,
-              spec=spec_config(args, draft), **engine_kwargs(args))
+              spec=spec_config(args, draft), generation_config=args.generation_config, **engine_kwargs(args))
     origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()] if args.allowed_origins else None
     state = ServerState(llm, args.served_model_name, args.api_key, args.max_waiting, max_body_bytes=args.max_request_bytes,
                         request_timeout=args.request_timeout, allowed_origins=origins,
@@ -436,7 +448,7 @@ def spec_config(args, draft: str | None = None):
                                 ("top_k", args.top_k)) if v is not None}
     # a flag the method does not read is refused, not accepted and ignored
     unused = {"none": ("total_tokens", "depth", "top_k"), "ngram": ("top_k",),
-              "eagle1": ("total_tokens", "depth", "top_k"), "eagle2": ()}[method]
+              "eagle1": ("total_tokens", "depth", "top_k"), "eagle2": (), "eagle3": ()}[method]
     given = ["--" + k.replace("_", "-") for k in unused if k in kwargs]
     if given:
         why = {"none": "it does not speculate", "ngram": "its proposals are single chains",

@@ -20,6 +20,7 @@ from eagle_serve.scheduler.loop import EngineLoop
 from eagle_serve.scheduler.output_processor import RequestOutput
 from eagle_serve.scheduler.scheduler import SchedulerConfig
 from eagle_serve.scheduler.worker import on_engine_thread
+from eagle_serve.server.generation_config import load_defaults
 
 Prompt = str | list[int]
 
@@ -27,16 +28,27 @@ log = logging.getLogger("eagle_serve")
 
 
 class LLM:
-    def __init__(self, model: str | None = None, *, budget_overrides: dict | None = None,
-                 profile_context: int | None = None, **engine_kwargs):
+    def __init__(self, model: str | None = None, *, generation_config: str = "auto",
+                 budget_overrides: dict | None = None, profile_context: int | None = None, **engine_kwargs):
         """Built on the process's engine thread (scheduler.worker), where its steps run too.
+        `generation_config`: where sampling defaults come from, as vLLM's (auto: the model's
+        generation_config.json; vllm: neutral; or a path), see server/generation_config.py.
         `budget_overrides`: `BudgetConfig` fields that differ from the served defaults;
         `profile_context`: committed tokens per sequence in the start-up cost profile (None: the
         profile's default). Both only apply where the tree budget runs."""
         self.engine_config = EngineConfig(model=model, **engine_kwargs)
+        self.generation_defaults = load_defaults(generation_config, model or "", model in (None, "", "default"))
         self._budget_overrides = dict(budget_overrides or {})
         self._profile_context = profile_context
         on_engine_thread(self._build)
+        log.info("sampling defaults from %s", self.generation_defaults.describe())
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a request that sets nothing samples with: the generation config's values, else
+        SamplingParams' own (as vLLM's LLM.get_default_sampling_params)."""
+        d = self.generation_defaults
+        values = {"temperature": d.temperature, "top_p": d.top_p, "top_k": d.top_k, "max_tokens": d.max_new_tokens}
+        return SamplingParams(**{k: v for k, v in values.items() if v is not None})
 
     def _build(self) -> None:
         start = time.perf_counter()
@@ -64,7 +76,7 @@ class LLM:
             prof = self._start_cost_profiles()
             log.info("start-up: tree budget cost profile done in %.1f s", time.perf_counter() - start)
             self.budget = TreeBudget(self._costs(prof), BudgetConfig(
-                spec.tree_tokens, max_depth=spec.max_depth if spec.method == "eagle2" else None,
+                spec.tree_tokens, max_depth=spec.max_depth if spec.dynamic_tree else None,
                 **self._budget_overrides))
         self.loop = EngineLoop(self.runner, self.tokenizer, self.allocator, sched,
                                loaded.eos_token_ids, loaded.config.vocab_size,
@@ -103,9 +115,9 @@ class LLM:
 
     def _costs(self, prof: dict):
         from eagle_serve.scheduler.budget import CostModel
-        # eagle2's dynamic tree is sized and cut to depth per round; the other drafters'
+        # eagle2's / eagle3's dynamic tree is sized and cut to depth per round; the other drafters'
         # rounds cost what the profile measured, whatever their size
-        per_level = self.engine_config.spec.method == "eagle2"
+        per_level = self.engine_config.spec.dynamic_tree
         return CostModel(prof["verify"], prof["draft"], prof["draft_first"] if per_level else [], depth=prof["depth"])
 
     def _start_idle_profile(self):
@@ -160,7 +172,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if params is None:
-            params = SamplingParams()
+            params = self.get_default_sampling_params()
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")

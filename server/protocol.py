@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
 
 from eagle_serve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from eagle_serve.server.generation_config import GenerationDefaults
 
 
 class ApiError(Exception):
@@ -141,14 +142,18 @@ class CompletionRequest(_Common):
     best_of: _int(ge=1, le=MAX_N) | None = None
 
 
-def sampling_params(req: _Common, max_tokens: int, logprobs: int | None, seed_offset: int) -> SamplingParams:
-    """The engine's settings for choice number `seed_offset` of this request."""
+def sampling_params(req: _Common, max_tokens: int, logprobs: int | None, seed_offset: int,
+                    defaults: GenerationDefaults = GenerationDefaults()) -> SamplingParams:
+    """The engine's settings for choice number `seed_offset` of this request; fields the request
+    leaves out take the server's generation-config `defaults`, else the neutral ones."""
     bias = {int(key): value for key, value in (req.logit_bias or {}).items()}  # keys: canonical decimals (TokenIdKey)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    temperature = 1.0 if req.temperature is None else req.temperature
-    kwargs = dict(max_tokens=max_tokens, temperature=temperature,
-                  top_p=1.0 if req.top_p is None else req.top_p,
-                  top_k=-1 if req.top_k is None else req.top_k,
+
+    def pick(value, default, neutral):
+        return value if value is not None else default if default is not None else neutral
+
+    kwargs = dict(max_tokens=defaults.cap(max_tokens), temperature=pick(req.temperature, defaults.temperature, 1.0),
+                  top_p=pick(req.top_p, defaults.top_p, 1.0), top_k=pick(req.top_k, defaults.top_k, -1),
                   presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
                   logit_bias=bias, min_tokens=req.min_tokens or 0, ignore_eos=bool(req.ignore_eos), stop=tuple(stop),
                   seed=None if req.seed is None else req.seed + seed_offset, logprobs=logprobs)

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("eagle2", "eagle1", "ngram", "none")
+METHODS = ("eagle2", "eagle3", "eagle1", "ngram", "none")
 # (total_tokens, depth, top_k) when not given. ngram verifies 4 tokens: larger trees leave the
 # native few-row kernels and cost more to verify than they gain (picked by bench/bench_spec.py).
-METHOD_DEFAULTS = {"eagle2": (24, 5, 4), "eagle1": (24, 5, 4), "ngram": (4, 3, 1), "none": (1, 1, 1)}
+METHOD_DEFAULTS = {"eagle2": (24, 5, 4), "eagle3": (24, 5, 4), "eagle1": (24, 5, 4), "ngram": (4, 3, 1),
+                   "none": (1, 1, 1)}
 
 # EAGLE-1 style static tree: paths of child ranks below the root ([0, 1] = the best child's
 # second-best child). 24 nodes, depth 4: wide near the root where the draft is least sure.
@@ -20,11 +21,12 @@ DEFAULT_STATIC_TREE: tuple[tuple[int, ...], ...] = (
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """method: eagle2 (dynamic tree), eagle1 (static tree), ngram (prompt lookup), none.
+    """method: eagle2 (dynamic tree), eagle3 (dynamic tree, EAGLE-3 head), eagle1 (static
+    tree), ngram (prompt lookup), none.
 
-    total_tokens: tokens the target verifies per round, root included (eagle2, ngram);
-    depth: draft steps per round (eagle2; ngram: longest proposal); top_k: children expanded per
-    node and frontier width (eagle2); static_tree: rank paths (eagle1).
+    total_tokens: tokens the target verifies per round, root included (eagle2, eagle3, ngram);
+    depth: draft steps per round (eagle2, eagle3; ngram: longest proposal); top_k: children
+    expanded per node and frontier width (eagle2, eagle3); static_tree: rank paths (eagle1).
     """
 
     method: str = "none"
@@ -59,7 +61,12 @@ class SpecConfig:
 
     @property
     def uses_head(self) -> bool:
-        return self.method in ("eagle2", "eagle1")
+        return self.method in ("eagle2", "eagle3", "eagle1")
+
+    @property
+    def dynamic_tree(self) -> bool:
+        """Whether rounds grow EAGLE-2's dynamic tree (cut to depth and size per round)."""
+        return self.method in ("eagle2", "eagle3")
 
     @property
     def max_depth(self) -> int:

@@ -73,10 +73,15 @@ class EagleDrafter(Drafter):
         # the pending pairs' target features, by KV slot ([f ; aux] for a fused-feature head);
         # zeroed now, as the KV caches are, so no slot's first write faults its pages in during
         # serving
-        self.features = hugepages.zeros((num_blocks * block_size, feature_width(cfg.hidden_size, head.aux_layers)),
-                                        dtype, device)
+        self.features = hugepages.zeros((num_blocks * block_size,
+                                         feature_width(target.config.hidden_size, head.aux_layers)), dtype, device)
         self.backend = make_backend(cfg.head_dim ** -0.5, device, dtype, attention)
-        self.rotary = target.model.rotary if shares_target_rotary(cfg, target.config) else _rotary(cfg)
+        # an EAGLE-3 head brings its own RoPE where it differs from the target's, and its own
+        # token embedding where it has one (Eagle3Head.rotary / embed_tokens)
+        own_rotary, own_embed = getattr(head, "rotary", None), getattr(head, "embed_tokens", None)
+        self.rotary = own_rotary if own_rotary is not None else (
+            target.model.rotary if shares_target_rotary(cfg, target.config) else _rotary(cfg))
+        self.embed = own_embed if own_embed is not None else target.model.embed_tokens
         # per KV slot: 1 once the head's KV there was written from the slot's current feature and
         # the pair that follows it (a consumed pair), 0 from the feature's write until then. A
         # sequence that hits the prefix cache reads it to know how much of the shared prefix's
@@ -265,7 +270,7 @@ class EagleDrafter(Drafter):
 
     def _head_forward(self, spans: list[SeqSpan], feats: torch.Tensor) -> torch.Tensor:
         batch = build_forward_batch(spans, self.block_size, self.device)
-        embeds = self.target.model.embed_tokens(batch.input_ids)
+        embeds = self.embed(batch.input_ids)
         return self.head(embeds, feats, batch, self.kv, self.backend, self.rotary)
 
     def _head_level(self, spans: list[SeqSpan], feats: torch.Tensor, top_rows: torch.Tensor | None = None):
@@ -274,7 +279,7 @@ class EagleDrafter(Drafter):
         lists, target ids as lists): one native call where it runs (EagleHead.level; about a
         dozen Python-level ops fewer a level), else the Python path, with the same numbers."""
         batch = build_forward_batch(spans, self.block_size, self.device)
-        embed = self.target.model.embed_tokens
+        embed = self.embed
         fused = self.head.level(batch, embed, feats, self.kv, self.backend, self.rotary, self.width, top_rows)
         if fused is not None:
             hidden, rows, values, indices = fused
@@ -295,7 +300,7 @@ class EagleDrafter(Drafter):
         pending = [st.tokens for st in states]
         # a level's most rows: the first (every pending pair), or every sequence's top_k frontier
         rows = max(sum(len(t) for t in pending), len(steps) * self.width)
-        embed = self.target.model.embed_tokens
+        embed = self.embed
         if not self.head.tree_runs(rows, self.backend, embed, self.features.dtype):
             return None
         tokens, parents, scores, depths, counts = self.head.tree(
