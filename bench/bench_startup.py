@@ -42,7 +42,8 @@ def serve_once(env: dict, log_path: Path) -> dict:
 
 def generate_once(env: dict, tmp: Path) -> dict:
     cmd = [sys.executable, "-m", "eagle_serve.server.cli", "generate", "--chat", "--prompt",
-           "What is the capital of France?", "--max-tokens", "48", "--temperature", "0", "--json"]
+           "What is the capital of France? Answer in one sentence.", "--max-tokens", "48", "--temperature", "0",
+           "--json"]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env}, cwd=ROOT)
     seconds = time.perf_counter() - t0

@@ -289,12 +289,28 @@ def gpu_check() -> Section:
                    "Details in [gpu.md](gpu.md).")
 
 
+def startup() -> Section:
+    name = "startup.json"
+    d = load(name)
+    env = d["env"]
+    rows = [["run", "seconds", "target"]]
+    labels = {"first_start": "serve, fresh machine (kernels built, cost profile measured): /health 200",
+              "second_start": "serve again (both cached): /health 200",
+              "generate": "`eagle-serve generate`, 48 tokens, caches warm: answer printed"}
+    for key, label in labels.items():
+        r = d["runs"][key]
+        rows.append([label, f1(r.get("seconds_to_health", r.get("seconds"))), f"<= {d['targets_s'][key]}"])
+    hardware = f"{env['cpu_model'] or 'CPU model not recorded'}, {env['cpu_count']} cores"
+    return Section("Start-up", name, hardware, f"python bench/bench_startup.py --out bench/results/{name}", rows,
+                   "Wall-clock seconds of whole processes on an idle machine, the default model and head.")
+
+
 def sections() -> list[Section]:
     return [decode_vs_peers(), speculative(), speculative_bounds("speculative_bounds_1.5x.json"),
             speculative_bounds("speculative_bounds_1.8x.json"), round_cost(), serve_sweep(), serve_vs_vllm(),
             head_eval(), head_curve("head_acceptance_60x6x10.json", "Draft head: acceptance length"),
             head_curve("head_curve_stages.json", "Draft head: acceptance over its training stages"),
-            head_speed(), linear(), attention(), kernels_ab(), reliability(), soak(), gpu_check()]
+            head_speed(), linear(), attention(), kernels_ab(), startup(), reliability(), soak(), gpu_check()]
 
 
 # ---------------------------------------------------------------- rendering

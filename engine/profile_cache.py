@@ -19,6 +19,7 @@ import os
 import torch
 
 from eagle_serve.engine.default_model import cache_dir
+from eagle_serve.engine.kernels import kernel_files
 
 log = logging.getLogger("eagle_serve")
 FORMAT = 1  # bumped when a profile's content or meaning changes
@@ -52,7 +53,7 @@ def _files(path: str | None) -> list:
 
 def _kernel_sources() -> str:
     h = hashlib.sha256()
-    for p in sorted(glob.glob(os.path.join(KERNELS_DIR, "*.cpp")) + glob.glob(os.path.join(KERNELS_DIR, "*.h"))):
+    for p in kernel_files(KERNELS_DIR):
         h.update(os.path.basename(p).encode())
         with open(p, "rb") as f:
             h.update(f.read())

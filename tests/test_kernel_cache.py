@@ -6,6 +6,7 @@ import logging
 import os
 import re
 import shutil
+import time
 
 import torch.utils.cpp_extension
 
@@ -75,3 +76,18 @@ def test_native_logs_a_build_then_a_load_from_the_cache(tmp_path, monkeypatch, c
     assert re.fullmatch(r"start-up: native CPU kernels built in \d+\.\d s", done[1]), done
     assert re.fullmatch(r"start-up: native CPU kernels loaded from cache in \d+\.\d s", done[3]), done
     assert "building in" in done[0] and "loading the cached build in" in done[2]
+
+
+def test_a_lock_left_by_a_killed_build_is_cleared_once_stale(tmp_path, caplog):
+    """torch's loader waits for a build folder's lock file to go; a stale one is removed, a
+    fresh one (a build still running) is left alone."""
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    kernels._clear_stale_lock(str(tmp_path))
+    assert lock.exists()
+    old = time.time() - kernels.STALE_LOCK_SECONDS - 5
+    os.utime(lock, (old, old))
+    with caplog.at_level(logging.WARNING, "eagle_serve"):
+        kernels._clear_stale_lock(str(tmp_path))
+    assert not lock.exists() and "did not finish" in caplog.text
+    kernels._clear_stale_lock(str(tmp_path))  # no lock: nothing to do

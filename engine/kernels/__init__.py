@@ -123,6 +123,25 @@ def native():
     return mod
 
 
+# A build holds a lock file in its folder; one killed mid-build leaves it behind, and torch's loader
+# then waits for it forever. No build takes this long (a few minutes on two cores).
+STALE_LOCK_SECONDS = 900.0
+
+
+def _clear_stale_lock(folder: str) -> None:
+    lock = os.path.join(folder, "lock")
+    try:
+        age = time.time() - os.path.getmtime(lock)
+    except OSError:
+        return  # no lock: nothing builds there
+    if age > STALE_LOCK_SECONDS:
+        log.warning("removing %s, left %.0f s ago by a kernel build that did not finish", lock, age)
+        try:
+            os.remove(lock)
+        except OSError:
+            pass  # another process removed it first
+
+
 def _load(isa_name: str, cflags: list[str]):
     """Build the module, or load the build cached for these sources and flags; logs which and how long."""
     from torch.utils.cpp_extension import load
@@ -133,6 +152,7 @@ def _load(isa_name: str, cflags: list[str]):
     here = os.path.dirname(__file__)
     name = build_name(isa_name, kernel_files(here), cflags)
     folder = build_directory(name)
+    _clear_stale_lock(folder)
     cached = os.path.exists(os.path.join(folder, name + ".so"))
     log.info("start-up: native CPU kernels (%s build): %s", isa_name, f"loading the cached build in {folder}"
              if cached else f"building in {folder} (no build of these sources and flags yet; once)")
