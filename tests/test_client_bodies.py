@@ -32,8 +32,12 @@ MSG = [{"role": "user", "content": "the quick brown fox"}]
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
     head = write_eagle_head(str(tmp_path_factory.mktemp("eagle-head")), tiny_llama[0])
+    # several clients send no token limit: a generation config caps every answer, as an operator's would
+    gen = tmp_path_factory.mktemp("generation-config")
+    (gen / "generation_config.json").write_text(json.dumps({"max_new_tokens": 24}))
     llm = LLM(tiny_llama[0], dtype="float64", device="cpu", kv_cache_tokens=4096, block_size=4, draft=head,
-              spec=SpecConfig("eagle2", total_tokens=8, depth=4, top_k=3), tree_budget=False)
+              spec=SpecConfig("eagle2", total_tokens=8, depth=4, top_k=3), tree_budget=False,
+              generation_config=str(gen))
     srv = BackgroundServer(ServerState(llm, served_model_name="tiny"))
     yield srv
     srv.stop()
