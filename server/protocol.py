@@ -100,6 +100,9 @@ class _Common(_Strict):
     top_k: _int(ge=-1) | None = None
     min_tokens: _int(ge=0) | None = None
     ignore_eos: bool | None = None
+    # vLLM's benchmark client (`vllm bench serve`) sends 1.0 on every completions request: the
+    # neutral value is taken, any other is refused (no repetition penalty is implemented)
+    repetition_penalty: Literal[1.0] | None = None
 
 
 # One clear message for fields whose schema is a union (pydantic reports every branch) or
@@ -114,6 +117,8 @@ FIELD_HELP = {
     "parallel_tool_calls": "parallel_tool_calls is not supported (no tools yet)",
     "response_format": "response_format other than text is not supported yet",
     "suffix": "suffix is not supported",
+    "repetition_penalty": "repetition_penalty other than 1.0 (no penalty) is not supported; "
+                          "presence_penalty and frequency_penalty are",
 }
 
 

@@ -3,8 +3,11 @@ vLLM's stream_options.continuous_usage_stats.
 
 tests/data/client_bodies/<client>_<case>.json are the bodies the openai SDK (chat and
 completions, plain and streamed), LangChain's ChatOpenAI and OpenAI (invoke, stream, tools,
-structured output) and guidellm (`guidellm run`, chat and completions) POSTed to a server that
-recorded them; each is stored as sent but for its model name, which the test sets."""
+structured output), guidellm (`guidellm run`) and NVIDIA's aiperf (`aiperf profile --streaming`), chat
+and completions, POSTed to a server that recorded them; each is stored as sent but for its model
+name, which the test sets (and aiperf's synthetic prompts, cut to fit the tiny model's context). The two
+vllm_bench_serve_* bodies are the payloads `vllm bench serve` builds (its openai and openai-chat
+request functions, vllm/benchmarks/lib/endpoint_request_func.py), written from that code."""
 from __future__ import annotations
 
 import json
@@ -103,3 +106,12 @@ def test_continuous_usage_stats_needs_include_usage_and_stream(server):
     assert unstreamed.status_code == 400 and unstreamed.json()["error"]["param"] == "stream_options"
     off = post(server, CHAT, {**body, "stream": True, "stream_options": {"continuous_usage_stats": False}})
     assert all("usage" not in c for c in stream_chunks(off))
+
+
+def test_repetition_penalty_takes_only_its_neutral_value(server):
+    """vLLM's benchmark client sends repetition_penalty 1.0 (no penalty); another value is refused
+    by name, as no repetition penalty is implemented."""
+    body = {"model": "tiny", "prompt": "the quick brown", "max_tokens": 2}
+    assert post(server, COMPLETIONS, {**body, "repetition_penalty": 1}).status_code == 200
+    r = post(server, COMPLETIONS, {**body, "repetition_penalty": 1.3})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "repetition_penalty", r.text
