@@ -6,8 +6,8 @@ completions, plain and streamed), LangChain's ChatOpenAI and OpenAI (invoke, str
 structured output), guidellm (`guidellm run`) and NVIDIA's aiperf (`aiperf profile --streaming`), chat
 and completions, POSTed to a server that recorded them; each is stored as sent but for its model
 name, which the test sets (and aiperf's synthetic prompts, cut to fit the tiny model's context). The two
-vllm_bench_serve_* bodies are the payloads `vllm bench serve` builds (its openai and openai-chat
-request functions, vllm/benchmarks/lib/endpoint_request_func.py), written from that code."""
+vllm_bench_serve_* bodies were recorded from the request functions `vllm bench serve` sends with
+(vLLM's openai and openai-chat backends, with --ignore-eos)."""
 from __future__ import annotations
 
 import json
