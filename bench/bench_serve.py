@@ -28,7 +28,7 @@ Speedup on/off = median over repetitions of the per-repetition ratio.
     .venv/bin/python bench/bench_serve.py --concurrency 1,4 --reps 1 --transports inproc
     .venv/bin/python bench/bench_serve.py --transports inproc --reps 3 --instances 3   # a fresh build per rep
     .venv/bin/python bench/bench_serve.py --transports inproc --reps 3 --passes 2      # on, off, off, on per rep
-    .venv/bin/python bench/bench_serve.py --transports http-proc --reps 3 --instances 3 --out bench/results/serve_http_proc.json
+    .venv/bin/python bench/bench_serve.py --transports http-proc --reps 3 --instances 3 --out bench/out/serve_http_proc.json
 Writes --out (bench/results/serve_sweep.json) and a .png next to it.
 """
 from __future__ import annotations

@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from eagle_serve.engine.profile_cache import cpu_model
+from eagle_serve.engine.kernels import cpu_model
 from eagle_serve.server.process import ServerProcess
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -5,7 +5,7 @@ the speedup over `none` as measured, with the draft free, with the draft and the
 accept/other overhead both at `none`'s, and the tokens per forward each tree would need for a
 target speedup at its measured cost. No model runs: it reads the json.
 
-    .venv/bin/python bench/spec_bounds.py bench/results/eagle_s25.json --target 1.5
+    .venv/bin/python bench/spec_bounds.py bench/results/speculative_single_stream.json --target 1.5
 Writes --out (default: the input's name with _bounds).
 """
 from __future__ import annotations

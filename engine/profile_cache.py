@@ -3,7 +3,7 @@
 A profile measures this engine on this machine, so its key holds everything the timings depend
 on: the model and head files (path, size, modification time), the engine config, the resolved
 dtype and device, the CPU model, core and thread counts, the torch version, the native kernels'
-sources, and the profile's own arguments. Only clean profiles are stored (one taken while other
+build (instruction set, sources, flags; none when they are off), and the profile's own arguments. Only clean profiles are stored (one taken while other
 processes used the CPU is not worth reusing). `EAGLE_SERVE_PROFILE_CACHE` names another folder,
 or `off` turns the cache off.
 """
@@ -19,26 +19,17 @@ import os
 import torch
 
 from eagle_serve.engine.default_model import cache_dir
-from eagle_serve.engine.kernels import kernel_files
+from eagle_serve.engine import kernels
+from eagle_serve.engine.config import ENV_FALSE
 
 log = logging.getLogger("eagle_serve")
 FORMAT = 1  # bumped when a profile's content or meaning changes
-KERNELS_DIR = os.path.join(os.path.dirname(__file__), "kernels")
-
-
-def cpu_model() -> str:
-    """/proc/cpuinfo's model name ("" where there is none)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        return ""
 
 
 def cache_folder() -> str | None:
     """Where profiles are kept, or None when the cache is off."""
     setting = os.environ.get("EAGLE_SERVE_PROFILE_CACHE", "")
-    if setting.lower() in ("0", "off", "false", "no"):
+    if setting.strip().lower() in ENV_FALSE:
         return None
     return setting or os.path.join(cache_dir(), "profiles")
 
@@ -51,13 +42,10 @@ def _files(path: str | None) -> list:
     return [(os.path.realpath(p), os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in paths if os.path.isfile(p)]
 
 
-def _kernel_sources() -> str:
-    h = hashlib.sha256()
-    for p in kernel_files(KERNELS_DIR):
-        h.update(os.path.basename(p).encode())
-        with open(p, "rb") as f:
-            h.update(f.read())
-    return h.hexdigest()
+def _kernels(device: torch.device) -> str | None:
+    """The native kernels' build in use (its name holds the instruction set and a digest of the
+    sources, compiler flags and torch version), None where they are off or not for this device."""
+    return getattr(kernels.native(), "__name__", None) if device.type == "cpu" else None
 
 
 def profile_key(runner, **profile_args) -> dict:
@@ -71,11 +59,11 @@ def profile_key(runner, **profile_args) -> dict:
         "config": config,
         "dtype": str(runner.dtype),
         "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model(),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else kernels.cpu_model(),
         "cpu_count": os.cpu_count(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        "kernels": _kernel_sources(),
+        "kernels": _kernels(device),
         "profile": {k: repr(v) for k, v in sorted(profile_args.items())},
     }
 

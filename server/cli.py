@@ -9,6 +9,7 @@ import time
 
 from eagle_serve.engine.config import ATTENTIONS, DEVICES, DRAFT_QUANTIZATIONS, DTYPES, env_flag
 from eagle_serve.engine.speculative.config import METHOD_DEFAULTS, METHODS
+from eagle_serve.server.generation_config import DEFAULT_MODEL
 
 
 SECRET_FLAGS = {"api_key"}  # flags whose EAGLE_SERVE_* value --help does not print
@@ -165,9 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model's name)")
     s.add_argument("--generation-config", default="auto", metavar="{auto,vllm,PATH}",
                    help="sampling defaults for fields a request leaves out, as vLLM's: auto reads the model "
-                        "directory's generation_config.json (the embedded default model: temperature 0.2, top-p "
-                        "0.9, at most 256 tokens), vllm uses temperature 1 / top-p 1, PATH a folder holding one; "
-                        "its max_new_tokens caps every request")
+                        "directory's generation_config.json (the embedded default model: temperature "
+                        f"{DEFAULT_MODEL['temperature']}, top-p {DEFAULT_MODEL['top_p']}, at most "
+                        f"{DEFAULT_MODEL['max_new_tokens']} tokens), vllm uses temperature 1 / top-p 1, PATH a "
+                        "folder holding one; its max_new_tokens caps every request")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     s.add_argument("--port", type=_port, default=8000, help="TCP port to listen on")
     s.add_argument("--api-key", default=None,

@@ -91,8 +91,7 @@ class LLM:
         from eagle_serve.engine import profile_cache
         from eagle_serve.engine.profile import extend, profile_costs
         from eagle_serve.scheduler.budget import CostProfiles
-        c = self.engine_config
-        args = dict(max_tokens=c.max_num_batched_tokens, max_seqs=c.max_num_seqs, context=self._profile_context)
+        args = self._profile_args()
         key = profile_cache.profile_key(self.runner, **args)
 
         def adopt(prof: dict) -> None:
@@ -104,7 +103,7 @@ class LLM:
         if prof is not None:
             log.info("tree budget cost profile: read from the cache")
         else:
-            prof = profile_costs(self.runner, args["max_tokens"], args["max_seqs"], context=args["context"])
+            prof = profile_costs(self.runner, **args)
             profile_cache.store(key, prof)
         return self.cost_profiles.record(prof)
 
@@ -120,10 +119,15 @@ class LLM:
         per_level = self.engine_config.spec.dynamic_tree
         return CostModel(prof["verify"], prof["draft"], prof["draft_first"] if per_level else [], depth=prof["depth"])
 
+    def _profile_args(self) -> dict:
+        """What every cost profile of this engine measures, the start-up one and the idle-time
+        ones alike, so that their curves join."""
+        c = self.engine_config
+        return dict(max_tokens=c.max_num_batched_tokens, max_seqs=c.max_num_seqs, context=self._profile_context)
+
     def _start_idle_profile(self):
         from eagle_serve.engine.profile import ProfileRun
-        c = self.engine_config
-        return ProfileRun(self.runner, c.max_num_batched_tokens, c.max_num_seqs, full_context=True)
+        return ProfileRun(self.runner, **self._profile_args(), full_context=True)
 
     def _finish_idle(self) -> None:
         """The synchronous front end's idle time is before a call: run due idle work (an

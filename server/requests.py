@@ -94,6 +94,8 @@ class Handle:
         self.timeout = timeout
         self.created = int(time.time())
         self.prompts, self.seq_ids, self.queues = prompts, seq_ids, queues
+        # n choices share one prompt object: each prompt counts once, as OpenAI counts it
+        self.prompt_tokens = sum(len(p) for p in {id(p): p for p in prompts}.values())
         self.finished = [False] * len(seq_ids)
         self.echo: list[str] | None = None  # completions with echo: each choice's prompt text
 
@@ -125,10 +127,11 @@ def submit(state: ServerState, prompts: list[list[int]], params, user: str | Non
         for i in ids:
             eng.abort(i)
         raise _refused(e) from None
-    state.metrics.prompt_tokens.inc(sum(len(p) for p in {id(p): p for p in prompts}.values()))  # as usage counts
+    handle = Handle(prompts, ids, queues, state.request_timeout)
+    state.metrics.prompt_tokens.inc(handle.prompt_tokens)  # as usage counts them
     if user:
         log.info("request %s from user %r: %d sequences", ids, user, len(ids))
-    return Handle(prompts, ids, queues, state.request_timeout)
+    return handle
 
 
 def _refused(e: ValueError) -> ApiError:

@@ -11,8 +11,7 @@ if TYPE_CHECKING:
 
 
 def usage(state: ServerState, handle: Handle, outs) -> dict:
-    # n choices share one prompt object: each prompt counts once, as OpenAI counts it
-    prompt = sum(len(p) for p in {id(p): p for p in handle.prompts}.values())
+    prompt = handle.prompt_tokens
     completion = sum(len(o.token_ids) for o in outs)
     steps = sum(o.spec.verify_steps for o in outs)
     accepted = sum(o.spec.accepted_tokens for o in outs)

@@ -126,8 +126,9 @@ async def _sse(state: ServerState, handle: Handle, usage_chunks: UsageChunks, ba
             lps = out.logprobs[sent[i]:] if out.logprobs is not None else None
             sent[i] = len(out.token_ids)
             latest[i] = out
+            extra = usage_chunks.field(state, handle, latest)
             for choice in choices_for(i, out, new_ids, lps):
-                yield sse_event({**base, "choices": [choice], **usage_chunks.field(state, handle, latest)})
+                yield sse_event({**base, "choices": [choice], **extra})
     except ApiError as e:
         yield sse_event(e.body())
         return

@@ -3,12 +3,23 @@ from __future__ import annotations
 
 import json
 import os
+import random
 
 import torch
 from safetensors.torch import save_file
 
 from eagle_serve.engine.speculative.drafters import Drafter
 from eagle_serve.engine.speculative.tree import chain, root_only
+
+
+# float64 engines on the CPU verifying fixed trees: exact, so speculative output must equal plain
+KW = dict(dtype="float64", device="cpu", kv_cache_tokens=4096, block_size=4, tree_budget=False)
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """n random prompts of 2-29 token ids."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 300) for _ in range(rng.randrange(2, 30))] for _ in range(n)]
 
 
 def write_eagle_head(path: str, target_dir: str, seed: int = 0, std: float = 0.1, stray_embed: bool = True,
@@ -49,13 +60,12 @@ def write_eagle_head(path: str, target_dir: str, seed: int = 0, std: float = 0.1
 def write_eagle3_head(path: str, target_dir: str, layout: str = "eagle", seed: int = 0, std: float = 0.1,
                       draft_vocab: int | None = 64, norm_before_residual: bool = False, hidden_state_ids=None,
                       hidden: int | None = None, heads: int | None = None, kv: int | None = None,
-                      rope_theta: float | None = None, max_positions: int = 2048, embed: bool = False,
-                      config_extra: dict | None = None) -> str:
+                      rope_theta: float | None = None, max_positions: int = 2048) -> str:
     """A random EAGLE-3 head for the model in `target_dir`, in the EAGLE / SpecForge layout
     (`layout="eagle"`: `midlayer.*`, flat config, ids in eagle_config) or the speculators one
     (`"speculators"`: `layers.0.*`, nested transformer_layer_config, top-level ids).
     draft_vocab None: the target's vocabulary, no d2t / t2d; hidden below the target's writes
-    target_hidden_size and the head's own embedding (as `embed` does at any width); rope_theta
+    target_hidden_size and the head's own embedding; rope_theta
     None leaves it out (10000)."""
     with open(os.path.join(target_dir, "config.json")) as f:
         tcfg = json.load(f)
@@ -80,7 +90,7 @@ def write_eagle3_head(path: str, target_dir: str, layout: str = "eagle", seed: i
         w["d2t"] = used - torch.arange(draft_vocab)
         w["t2d"] = torch.zeros(V, dtype=torch.bool)
         w["t2d"][used] = True
-    if embed or h != H:
+    if h != H:
         w["embed_tokens.weight"] = rnd(V, h) * 10
     os.makedirs(path, exist_ok=True)
     save_file({k: v.contiguous() for k, v in w.items()}, os.path.join(path, "model.safetensors"))
@@ -103,7 +113,6 @@ def write_eagle3_head(path: str, target_dir: str, layout: str = "eagle", seed: i
                "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
                                       "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
                                       "verifier": {"name_or_path": None, "architectures": ["LlamaForCausalLM"]}}}
-    cfg.update(config_extra or {})
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
     return path

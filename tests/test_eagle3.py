@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 
 import pytest
 import torch
@@ -22,10 +21,9 @@ from eagle_serve.engine.speculative.eagle3_config import parse_eagle3
 from eagle_serve.engine.speculative.eagle3_head import Eagle3Head, load_eagle3_head
 from eagle_serve.server.llm import LLM
 from tests.conftest import write_tiny_model
-from tests.spec_helpers import write_eagle3_head, write_eagle_head
+from tests.spec_helpers import KW, prompts, write_eagle3_head, write_eagle_head
 from tests.test_model_vs_hf import full_precision_norms
 
-KW = dict(dtype="float64", device="cpu", kv_cache_tokens=4096, block_size=4, tree_budget=False)
 LAYERS = 8  # the target: HF hidden_states 2, L // 2 and L - 3 are 2, 4 and 5
 CPU = torch.device("cpu")
 
@@ -40,11 +38,6 @@ def target(tmp_path_factory):
 @pytest.fixture(scope="module")
 def plain(target):
     return LLM(target[0], **KW)
-
-
-def prompts(n=5, seed=0):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 300) for _ in range(rng.randrange(2, 30))] for _ in range(n)]
 
 
 # ---- layouts -------------------------------------------------------------------------------
@@ -308,6 +301,7 @@ def test_tree_budget_drafts_with_an_eagle3_head_and_stays_lossless(target, plain
     assert llm.engine_config.spec.method == "eagle3" and llm.budget is not None
     outs = llm.generate(ps, params)
     assert [o.token_ids for o in outs] == ref
+    assert sum(o.spec.draft_tokens for o in outs) > 0
 
 
 def test_feature_cache_is_as_wide_as_the_states_the_head_reads(target, heads):

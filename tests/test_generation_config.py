@@ -10,6 +10,7 @@ import shutil
 import httpx2 as httpx
 import pytest
 
+from eagle_serve.engine.sampling_params import SamplingParams
 from eagle_serve.server.app import BackgroundServer, ServerState
 from eagle_serve.server.generation_config import DEFAULT_MODEL, GenerationDefaults, load_defaults
 from eagle_serve.server.llm import LLM
@@ -69,7 +70,8 @@ def test_served_model_answers_with_its_generation_config(tiny_llama, tmp_path):
     path = _model_with(tiny_llama, tmp_path, {"temperature": 0.0, "max_new_tokens": 3})
     llm = LLM(path, **KW)
     assert llm.get_default_sampling_params().max_tokens == 3
-    assert llm.generate([5, 6, 7])[0].token_ids == llm.generate([5, 6, 7], llm.get_default_sampling_params())[0].token_ids
+    greedy3 = SamplingParams(temperature=0, max_tokens=3)
+    assert llm.generate([5, 6, 7])[0].token_ids == llm.generate([5, 6, 7], greedy3)[0].token_ids
     srv = BackgroundServer(ServerState(llm, served_model_name="tiny"))
     try:
         msg = [{"role": "user", "content": "the quick brown fox"}]

@@ -30,7 +30,7 @@ CHRONOLOGY = re.compile(r"(?<![\w-])(?:sessions?|stages?)\s+#?\d+\b"
 COMMIT_HASH = re.compile(r"(?<![\w#:=/.@-])(?=[0-9a-f]*[0-9])(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}(?![\w:=/@-])")
 URL = re.compile(r"\b[a-z][a-z0-9+.-]*://\S+", re.IGNORECASE)
 DIGEST = re.compile(r"\b(?:sha1|sha256|sha512|md5|blake2b?)\b\W{0,3}[0-9a-f]+", re.IGNORECASE)
-HASH_SUFFIXES = {".md", ".py", ".txt", ".yaml", ".yml"}
+HASH_SUFFIXES = {".md", ".py", ".txt", ".yaml", ".yml", ".cpp", ".h"}
 
 # Paths that only exist on the machine that wrote them, forbidden prefix -> its pattern. Product
 # paths (/proc/, /sys/, /dev/shm, /models/, /usr/, /opt/, /etc/) are deliberately not listed.
@@ -150,3 +150,15 @@ def test_readmes_stay_short(tracked):
     offenders = [f"{name}:{len(lines)} lines" for name, lines in tracked.items()
                  if Path(name).name == "README.md" and len(lines) > README_MAX_LINES]
     assert not offenders, _report(f"README.md files run over {README_MAX_LINES} lines", offenders)
+
+
+# a bench script or results file that tracked text names: it must exist (the text cites it as the
+# measurement behind a figure or a choice)
+BENCH_REFERENCE = re.compile(r"\bbench/(?:results/)?[A-Za-z0-9_.-]+\.(?:py|json|png|txt)\b")
+
+
+def test_named_bench_scripts_and_results_files_exist(tracked):
+    prose = {name: lines for name, lines in tracked.items() if not name.startswith(RESULTS_DIR)}
+    offenders = [f"{name}:{i}: {ref}" for name, lines in prose.items() for i, line in enumerate(lines, 1)
+                 for ref in BENCH_REFERENCE.findall(line) if not (ROOT / ref).exists()]
+    assert not offenders, _report("references name a bench script or results file that does not exist", offenders)

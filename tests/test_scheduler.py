@@ -1592,7 +1592,10 @@ def test_llm_builds_its_budget_with_the_given_overrides_and_profile_context(tiny
               max_num_batched_tokens=32, budget_overrides={"guard_z": 2.5, "min_gain": 0.2}, profile_context=16)
     assert (llm.budget.config.guard_z, llm.budget.config.min_gain) == (2.5, 0.2)
     assert llm.budget.config.min_gain_one == BudgetConfig(8).min_gain_one
-    assert contexts and set(contexts) == {16}
+    started = len(contexts)
+    llm.cost_profiles.due_at = 0.0  # an idle-time profile measures at the same context, so its curve joins
+    llm.loop.run_idle()
+    assert started and len(contexts) == started + 1 and set(contexts) == {16}
     with pytest.raises(TypeError, match="no_such_field"):
         LLM(tiny_llama[0], **KW, kv_cache_tokens=2048, draft=head_dir, spec=spec, max_num_seqs=4,
             max_num_batched_tokens=32, budget_overrides={"no_such_field": 1})
@@ -1610,7 +1613,7 @@ def test_a_second_start_reads_the_cost_profile_from_the_cache(tiny_llama, head_d
     monkeypatch.setenv("EAGLE_SERVE_PROFILE_CACHE", str(tmp_path / "profiles"))
     calls = []
     real = prof_mod.profile_costs
-    monkeypatch.setattr(prof_mod, "profile_costs", lambda *a, **k: calls.append(a[1:3]) or real(*a, **k))
+    monkeypatch.setattr(prof_mod, "profile_costs", lambda *a, **k: calls.append((k["max_tokens"], k["max_seqs"])) or real(*a, **k))
     first = _budget_llm(tiny_llama, head_dir, max_num_batched_tokens=32)
     assert len(calls) == 1 and len(list((tmp_path / "profiles").iterdir())) == 1
     second = _budget_llm(tiny_llama, head_dir, max_num_batched_tokens=32)

@@ -12,11 +12,10 @@ from eagle_serve.engine.layers import Linear
 from eagle_serve.engine.sampling_params import SamplingParams
 from eagle_serve.engine.speculative.accept import walk
 from eagle_serve.engine.speculative.config import SpecConfig
-from eagle_serve.engine.speculative.tree import Candidates, build_tree, chain, from_paths, select_best
+from eagle_serve.engine.speculative.tree import Candidates, build_tree, from_paths, select_best
 from eagle_serve.server.llm import LLM
-from tests.spec_helpers import OracleDrafter, write_eagle_head
+from tests.spec_helpers import KW, OracleDrafter, prompts, write_eagle_head
 
-KW = dict(dtype="float64", device="cpu", kv_cache_tokens=4096, block_size=4, tree_budget=False)  # fixed trees
 
 
 @pytest.fixture(scope="module")
@@ -27,11 +26,6 @@ def head_dir(tiny_llama, tmp_path_factory):
 @pytest.fixture(scope="module")
 def plain(tiny_llama):
     return LLM(tiny_llama[0], **KW)
-
-
-def prompts(n=6, seed=0):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 300) for _ in range(rng.randrange(2, 30))] for _ in range(n)]
 
 
 # ---- trees -------------------------------------------------------------------------------

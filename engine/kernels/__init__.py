@@ -91,6 +91,11 @@ def isa():
     return next((b for b in BUILDS if b[1] <= have and want in ("", b[0])), None)
 
 
+def cpu_model() -> str:
+    """/proc/cpuinfo's model name, or ""."""
+    return _cpuinfo("model name")
+
+
 def cpu_vendor() -> str:
     """/proc/cpuinfo's vendor_id ("AuthenticAMD", "GenuineIntel", ...), or ""."""
     return _cpuinfo("vendor_id")

@@ -335,8 +335,8 @@ namespace {
 // Rows of n: x += delta (where given), out = rms_norm(x) (* weight, where given); float32
 // statistics and math, one rounding to T per output. float32 / bfloat16 16 lanes at a time (the
 // sum of squares in 16 partial sums, then added), the rest scalar: each row's numbers depend on
-// that row alone. (Scalar, the per-row loops grew with every row a tree adds; with RoPE's, the
-// change measured 1.04-1.06x plain decoding side by side: bench/results/kernels_ab_s36_norm_argmax.json.)
+// that row alone. Vectorised because scalar per-row loops grow with every row a tree adds
+// (bench/bench_kernels_ab.py measures such a change side by side).
 template <typename T>
 void rms_rows(T* x, const T* delta, const T* weight, T* out, int64_t rows, int64_t n, float eps) {
   constexpr bool vec = std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>;
@@ -419,8 +419,7 @@ torch::Tensor rms_norm_chunks(torch::Tensor x, int64_t n, double eps) {
 // first index among equal maxima; a row holding NaN: its first NaN, which max propagates). One
 // pass of 16-lane compares, each lane keeping its first best, then the lanes reduced by (value,
 // lowest index); rows in parallel. Greedy picks read every logit of a tree's rows: 9.4 us for 4
-// rows of the default model's 49152 against torch's 55 (bench/bench_probes.py --probes argmax,
-// bench/results/probes_s36_xeon_argmax.json).
+// rows of the default model's 49152, several times faster than torch's argmax.
 torch::Tensor argmax_rows(torch::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat && x.size(1) > 0,
               "x: contiguous float32 [R, V], V > 0");
@@ -501,8 +500,7 @@ torch::Tensor argmax_rows(torch::Tensor x) {
 // Per row of logits x [R, V] float32: the k largest entries of log_softmax(x) (descending; equal
 // values by lower index) and their indices, mapped through d2t [V] where given (a reduced draft
 // vocabulary's target ids). One draft level's ranking in one call instead of log_softmax, topk and
-// an index (three ATen ops; with the level's other trims a 4x2x2 round's draft 0.973 against
-// 1.096 ms side by side, bench/results/kernels_ab_s46_topk.json): the k best by one pass of
+// an index (three ATen ops; bench/results/kernels_ab_topk_log_softmax.json): the k best by one pass of
 // 16-lane block maxima against the k-th best so far (a block rarely holds a new one), then
 // e^(x - max) summed 16 lanes at a time; values = (x - max) - log(sum), the formula ATen's
 // log_softmax uses. A row holding a NaN or an infinity takes ATen's ops instead

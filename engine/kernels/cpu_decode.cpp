@@ -175,9 +175,7 @@ struct DecodeStack {
     for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slots[t] >= 0 && slots[t] < S, "forward: slot out of range");
     // which keys each row sees, planned once for every layer; the buffers every layer reuses
     // (one allocation each a forward, not a dozen tensor ops a layer: select, narrow, reshape,
-    // index_copy_, contiguous and their outputs, on the calling thread while the other waited: 1.4
-    // ms a token of plain decoding went; plain decoding 1.145x, a 4x2x2 tree 1.096x side by side,
-    // bench/results/kernels_ab_s39_stack_buffers.json)
+    // index_copy_, contiguous and their outputs, which ran on the calling thread while the other waited)
     AttentionPlan plan;
     plan_attention(plan, kv_gather, kv_lens, q_seq, q_row, mask, T, kv_heads);
     const auto opts = h.options();
@@ -475,9 +473,7 @@ struct DecodeStack {
 };
 
 // engine.forward_batch.build_forward_batch's index tensors for a packed forward, built here
-// rather than by ~20 numpy / torch calls (14 against 47 us for a draft level's span, 27 against 84
-// for 8 plain sequences: bench/bench_small_ops.py --rev 562a31b, bench/results/small_ops_s36.json;
-// 3 builds a speculative round). Per span b: tokens, num_cached c_b, block table, positions (empty: c_b + i), tree mask
+// rather than by ~20 numpy / torch calls, about a third of their time (3 builds a speculative round). Per span b: tokens, num_cached c_b, block table, positions (empty: c_b + i), tree mask
 // [n_b, m_b + n_b] (undefined: causal) over its last m_b cached keys and new ones. Returns
 // input_ids, positions, slot_mapping, kv_gather [B * L], attn_mask [B, 1, Q, L] (undefined where
 // B = 1, Q = 1 and no tree mask: every key), q_index (undefined where B = 1), kv_lens, q_seq,

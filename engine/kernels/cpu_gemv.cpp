@@ -99,9 +99,8 @@ inline float dot_f32(const float* x, const float* w, int64_t K) { return dot_row
 // Software prefetch this many pairs of inputs (128 bytes of a tile's stream each) ahead: 8 KB.
 // The hardware prefetcher alone nearly keeps up with one input row, but with 3-16 rows
 // (a verify step's tree, a batch of sequences) the loop spends longer per line and the stream
-// falls behind. Over the default model's layer shapes from memory, side by side
-// (bench/bench_kernels_ab.py, bench/results/kernels_ab_prefetch*.json): 3 / 4 / 8 / 16 rows
-// took 8 / 11 / 16 / 19% less time, one row 6%. Prefetches past the end do not fault.
+// falls behind; the prefetch shortens every row count's products, most at 8-16 rows
+// (bench/bench_kernels_ab.py). Prefetches past the end do not fault.
 constexpr int64_t PREFETCH_PAIRS = 64;
 
 }  // namespace
@@ -112,16 +111,9 @@ constexpr int64_t PREFETCH_PAIRS = 64;
 // weights exceed STREAM_NTA_BYTES: one linear's (packed_linear), or a whole DecodeStack's, which
 // sets stream_nta for its forward. Whether any stream does is nta_streams (set_nta_streams):
 // by default on AMD CPUs only. The streams are a prefetch hint of the AVX-512 and AVX2 loops only: where
-// the AMX path below runs (Intel, K % 32 == 0) they do not apply. On an AMD EPYC (Zen 5), against the temporal build side by side
-// (bench/bench_kernels_ab.py --rev 5800912 --skip-linear --trees none,3x1x2,4x2x2 --prompts 12,
-// bench/results/kernels_ab_nta.json): greedy decoding 1.05x, 1.03x with 3-token trees, 1.08x
-// with 4-token trees 2 deep (both builds equal: 1.005 / 1.009 / 0.997, kernels_ab_nta_aa.json).
-// On an Intel Xeon (AMX, 480 MB L3) the same streams cost 45% of plain decoding's speed: the
-// build that streams them against this one, side by side (bench/bench_kernels_ab.py --rev 9886fe9
-// --skip-linear --trees none,3x1x2,4x2x2 --prompts 8, bench/results/kernels_nta_intel.json):
-// 40.9 against 74.0 tok/s plain, 63.1 / 78.0 with 3-token trees, 71.8 / 90.5 with 4-token trees 2
-// deep. Why is not measured (non-temporal lines there presumably skip the L2 and its streamer,
-// and an 8 KB lookahead alone does not hide DRAM latency). Measured at one sequence.
+// the AMX path below runs (Intel, K % 32 == 0) they do not apply. On AMD EPYCs they speed up
+// greedy and tree decoding by a few percent; on an Intel Xeon with AMX they cost nearly half of
+// plain decoding's speed, hence AMD only (bench/bench_kernels_ab.py --nta compares the two).
 extern const int64_t STREAM_NTA_BYTES = int64_t(16) << 20;
 thread_local bool stream_nta = false;  // read on the calling thread, before parallel_for
 bool nta_streams = (__builtin_cpu_init(), __builtin_cpu_is("amd"));  // the process-wide switch (set_nta_streams)
@@ -228,11 +220,9 @@ inline void packed_rows(int mb, const PackedIn* x, int64_t K, const uint16_t* wt
 // it loads with a 128-byte stride; A is up to 16 input rows of 32 values; C, 16 float32 outputs
 // of each row. Each output still sums its pairs in k order into one float32 lane, and every row
 // apart from the others, so a row's result does not depend on how many rows came with it.
-// Why: VDPBF16PS ran at half rate on the Xeon measured (one every 2 cycles a core: 104-120
-// GFLOP/s on one thread in L2, bench/bench_probes.py's dot probe, bench/results/probes_s34_xeon.json),
-// which made 2-16-row products partly compute-bound there
-// (bench/bench_linear.py at 9ab5fea, bench/results/linear_xeon_avx512.json: 16.5 ms for 2 rows
-// against 10.2 for one); a tile instruction does 16 x 16 x 32.
+// Why: VDPBF16PS runs at half rate on the Xeons measured (one every 2 cycles a core), which makes
+// 2-16-row products partly compute-bound there (bench/bench_linear.py); a tile instruction does
+// 16 x 16 x 32.
 constexpr int AMX_ROWS = 16;
 
 // GCC 11 / clang 12 brought the AMX intrinsics (the assembler needs binutils 2.36); an older
@@ -427,10 +417,8 @@ constexpr int INT8_TILE = 64;
 #define EAGLE_VNNI 0
 #endif
 // Software prefetch this many inputs (64-byte lines of a tile's stream) ahead: 8 KB, as the bf16
-// loop's PREFETCH_PAIRS (a draft level's weights come from memory after the target's stream).
-// Against 1 KB, side by side (bench/bench_kernels_ab.py --rev 24de6a4 --skip-linear --trees
-// 4x2x2,6x3x3 --prompts 8, bench/results/kernels_ab_s36_int8_prefetch.json): 1.019x / 1.032x,
-// of which the harness alone reads 1.013x (identical builds: kernels_ab_s36_aa.json): within noise.
+// loop's PREFETCH_PAIRS (a draft level's weights come from memory after the target's stream);
+// against 1 KB it measures the same within noise (bench/bench_kernels_ab.py).
 constexpr int64_t INT8_PREFETCH_ROWS = 128;
 #if EAGLE_DPBF16
 constexpr int INT8_TILE_M = 4;  // 16 accumulators + 4 weight vectors of 32 registers

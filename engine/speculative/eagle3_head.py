@@ -29,8 +29,9 @@ from eagle_serve.engine.layers import INT8_MAX_ROWS, W8A8_MAX_ROWS, Linear, RMSN
 from eagle_serve.engine.loader import ModelLoadError, fill_parameters, read_json
 from eagle_serve.engine.model_config import ModelConfig, UnsupportedModel
 from eagle_serve.engine.models.llama import MLP, Attention, LlamaForCausalLM
-from eagle_serve.engine.speculative.eagle3_config import Eagle3ConfigError, Eagle3Layout, is_eagle3, parse_eagle3
-from eagle_serve.engine.speculative.eagle_head import EagleHead, _read_weights, load_eagle_head
+from eagle_serve.engine.speculative.eagle3_config import (EAGLE3_ARCHITECTURE, Eagle3ConfigError, Eagle3Layout, is_eagle3,
+                                                         parse_eagle3)
+from eagle_serve.engine.speculative.eagle_head import EagleHead, _read_weights, load_eagle_head, topk_log_probs
 
 log = logging.getLogger(__name__)
 
@@ -108,9 +109,7 @@ class Eagle3Head(nn.Module):
     def draft_topk(self, hidden: torch.Tensor, target: LlamaForCausalLM, k: int):
         """(log-probs, target token ids) of the k most likely draft tokens per row of z."""
         logits = self.lm_head(self.norm(hidden), float_out=True)
-        logits = logits if logits.dtype == torch.float64 else logits.float()
-        top = logits.log_softmax(-1).topk(min(k, logits.shape[-1]))
-        return top.values, top.indices if self.d2t is None else self.d2t[top.indices]
+        return topk_log_probs(logits if logits.dtype == torch.float64 else logits.float(), k, self.d2t)
 
     def level(self, *args, **kwargs):
         return None  # no native level: the drafter runs forward and draft_topk
@@ -143,7 +142,7 @@ def load_draft_head(path: str, target: LlamaForCausalLM, dtype: torch.dtype,
         return load_eagle3_head(path, target, dtype)
     if method == "eagle3":
         raise ModelLoadError(f"spec eagle3 needs an EAGLE-3 draft head; {path!r} is not one (its config.json "
-                             f"names neither {'LlamaForCausalLMEagle3'!r} nor speculators_model_type eagle3): "
+                             f"names neither {EAGLE3_ARCHITECTURE!r} nor speculators_model_type eagle3): "
                              "use spec eagle2")
     return load_eagle_head(path, target, dtype)
 

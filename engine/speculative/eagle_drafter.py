@@ -71,17 +71,16 @@ class EagleDrafter(Drafter):
         self.block_size, self.device = block_size, device
         self.kv = KVCache(1, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device)
         # the pending pairs' target features, by KV slot ([f ; aux] for a fused-feature head);
-        # zeroed now, as the KV caches are, so no slot's first write faults its pages in during
+        # zeroed here, as the KV caches are, so no slot's first write faults its pages in during
         # serving
         self.features = hugepages.zeros((num_blocks * block_size,
                                          feature_width(target.config.hidden_size, head.aux_layers)), dtype, device)
         self.backend = make_backend(cfg.head_dim ** -0.5, device, dtype, attention)
         # an EAGLE-3 head brings its own RoPE where it differs from the target's, and its own
         # token embedding where it has one (Eagle3Head.rotary / embed_tokens)
-        own_rotary, own_embed = getattr(head, "rotary", None), getattr(head, "embed_tokens", None)
-        self.rotary = own_rotary if own_rotary is not None else (
+        self.rotary = head.rotary if head.rotary is not None else (
             target.model.rotary if shares_target_rotary(cfg, target.config) else _rotary(cfg))
-        self.embed = own_embed if own_embed is not None else target.model.embed_tokens
+        self.embed = head.embed_tokens if head.embed_tokens is not None else target.model.embed_tokens
         # per KV slot: 1 once the head's KV there was written from the slot's current feature and
         # the pair that follows it (a consumed pair), 0 from the feature's write until then. A
         # sequence that hits the prefix cache reads it to know how much of the shared prefix's

@@ -36,7 +36,23 @@ from eagle_serve.engine.model_config import ModelConfig
 from eagle_serve.engine.models.llama import DecoderLayer, LlamaForCausalLM, native_stack, native_stack_forward
 
 
+def topk_log_probs(logits: torch.Tensor, k: int, d2t: torch.Tensor | None):
+    """(log-probs, token ids) of the k best entries of each row of logits, ids mapped through d2t
+    (a draft vocabulary's target ids) where given: float32 on the CPU in one native call, else
+    log_softmax and topk."""
+    k = min(k, logits.shape[-1])
+    fn = (getattr(kernels.native(), "topk_log_softmax", None)
+          if logits.device.type == "cpu" and logits.dtype == torch.float32 else None)
+    if fn is not None:
+        return tuple(fn(logits.contiguous(), k, d2t if d2t is not None else _NONE))
+    top = logits.log_softmax(-1).topk(k)
+    return top.values, top.indices if d2t is None else d2t[top.indices]
+
+
 class EagleHead(nn.Module):
+    rotary = None  # the head uses the target's RoPE (or one built from its config: EagleDrafter)
+    embed_tokens = None  # and the target's token embedding
+
     def __init__(self, cfg: ModelConfig, bias: bool, aux_layers: tuple[int, ...] = ()):
         super().__init__()
         self.config = cfg
@@ -61,16 +77,8 @@ class EagleHead(nn.Module):
         on the CPU in one native call (kernels' topk_log_softmax, the ranking head_level's
         native path does, so the two paths agree), else log_softmax and topk."""
         if self.lm_head is None:
-            logits, d2t = target.compute_logits(hidden), None
-        else:
-            logits, d2t = self.lm_head(hidden, float_out=True).float(), self.d2t
-        k = min(k, logits.shape[-1])
-        fn = (getattr(kernels.native(), "topk_log_softmax", None)
-              if logits.device.type == "cpu" and logits.dtype == torch.float32 else None)
-        if fn is not None:
-            return tuple(fn(logits.contiguous(), k, d2t if d2t is not None else _NONE))
-        top = logits.log_softmax(-1).topk(k)
-        return top.values, top.indices if d2t is None else d2t[top.indices]
+            return topk_log_probs(target.compute_logits(hidden), k, None)
+        return topk_log_probs(self.lm_head(hidden, float_out=True).float(), k, self.d2t)
 
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, batch: ForwardBatch,
                 kv: KVCache, backend: AttentionBackend, rotary) -> torch.Tensor:
