@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -16,13 +17,15 @@ from eagle_serve.engine.gpu_memory import cuda_kv_cache_tokens, engine_kv_bytes_
 from eagle_serve.engine.kv_cache import KVCache
 from eagle_serve.engine.layers import FAST_DTYPES
 from eagle_serve.engine.loader import LoadedModel, load_model
-from eagle_serve.engine.sampler import Picks, PicksView, SampleRow
+from eagle_serve.engine.sampler import GrammarMasks, Picks, PicksView, SampleRow
 from eagle_serve.engine.speculative.accept import walk
 from eagle_serve.engine.speculative.drafters import Drafter, NgramDrafter, NoDrafter
 from eagle_serve.engine.speculative.eagle_drafter import EagleDrafter
 from eagle_serve.engine.speculative.eagle3_head import load_draft_head
-from eagle_serve.engine.speculative.tree import DraftTree, root_only
+from eagle_serve.engine.speculative.tree import DraftTree, prune, root_only
 from eagle_serve.engine.step_io import SeqResult, SeqStep
+from eagle_serve.engine.structured import Grammars, GrammarState
+from eagle_serve.engine.structured import allocate as allocate_bitmask
 
 
 @dataclass
@@ -95,6 +98,22 @@ class ModelRunner:
         # Fault injection (tests, chaos runs): called with each round's steps after drafting,
         # inside the step; whatever it raises fails the step like a real engine error.
         self.fault_hook = None
+        self._grammars = None  # structured output's compiler, built on first use (`grammars`)
+        self._grammars_lock = threading.Lock()
+        self.grammar_states: dict[int, GrammarState] = {}  # seq -> its matcher, for structured requests
+
+    @property
+    def grammars(self) -> Grammars:
+        """The structured-output compiler for this model's tokenizer (built on first use: reading
+        the vocabulary takes a fraction of a second). ValueError without a tokenizer."""
+        if self._grammars is None:
+            if self.loaded.tokenizer is None:
+                raise ValueError("structured output needs a tokenizer (this engine was built with skip_tokenizer)")
+            with self._grammars_lock:
+                if self._grammars is None:
+                    self._grammars = Grammars(self.loaded.tokenizer, self.loaded.config.vocab_size,
+                                              self.loaded.eos_token_ids)
+        return self._grammars
 
     def _num_blocks(self) -> int:
         c, m = self.config, self.loaded.config
@@ -170,6 +189,7 @@ class ModelRunner:
 
     def release(self, seq_id: int) -> None:
         self.drafter.release(seq_id)
+        self.grammar_states.pop(seq_id, None)
 
     @torch.inference_mode()
     def execute(self, steps: list[SeqStep]) -> list[SeqResult]:
@@ -179,7 +199,8 @@ class ModelRunner:
         for s in steps:
             if s.restart:  # (re)admitted: whatever the drafter kept from before is stale
                 self.drafter.release(s.seq_id)
-        trees, drafted = self._draft(steps)
+        grammar = self._grammar_states(steps)
+        trees, drafted = self._draft(steps, grammar)
         if self.fault_hook is not None:
             self.fault_hook(steps)
         t1 = time.perf_counter()
@@ -201,7 +222,8 @@ class ModelRunner:
             # the first hidden columns only: a fused-feature head's [f ; aux] rows would be
             # gathered whole and then sliced again (the LM head reads f)
             logits = self.model.compute_logits(take_rows(hidden[:, :self.loaded.config.hidden_size], rows))
-            picks = Picks(logits, sample_rows, self.loaded.eos_token_ids, lazy)
+            picks = Picks(logits, sample_rows, self.loaded.eos_token_ids, lazy,
+                          self._masks(steps, trees, sampled, grammar, len(rows)) if grammar else None)
         t2 = time.perf_counter()
         # what the head observes this round: (step, tokens, reset) and each token's feature row,
         # written to the drafter in one call
@@ -230,8 +252,41 @@ class ModelRunner:
         replay where the batch fits a captured bucket, else the eager forward."""
         return self.graphs.forward(spans, self.backend)
 
-    def _draft(self, steps: list[SeqStep]) -> tuple[list[DraftTree], list[int]]:
-        """A tree per step (root only where nothing is drafted) and the levels drafted for it."""
+    def _grammar_states(self, steps: list[SeqStep]) -> dict[int, GrammarState]:
+        """The matchers of this round's structured sampled steps, brought up to their committed
+        outputs (made afresh for a (re)admitted sequence: preemption, recompute, a retried step)."""
+        out = {}
+        for s in steps:
+            spec = s.params.structured
+            if spec is None or not s.sample:
+                continue
+            state = self.grammar_states.get(s.seq_id)
+            if s.restart or state is None or state.num_accepted > len(s.output_token_ids):
+                state = self.grammar_states[s.seq_id] = self.grammars.state(spec)
+            state.sync(s.output_token_ids)
+            out[s.seq_id] = state
+        return out
+
+    def _masks(self, steps: list[SeqStep], trees: list[DraftTree], sampled: list[int],
+               grammar: dict[int, GrammarState], num_rows: int) -> GrammarMasks:
+        """Each structured step's bitmask at every node of its tree (the root: its next token),
+        rows in the round's sampling order."""
+        bitmask = allocate_bitmask(num_rows, self.loaded.config.vocab_size)
+        rows, k = [], 0
+        for i in sampled:
+            n = len(trees[i])
+            state = grammar.get(steps[i].seq_id)
+            if state is not None:
+                state.tree_masks(trees[i].tokens, trees[i].parents, bitmask[k:k + n])
+                rows.extend(range(k, k + n))
+            k += n
+        return GrammarMasks(bitmask, rows, self.loaded.config.vocab_size)
+
+    def _draft(self, steps: list[SeqStep], grammar: dict[int, GrammarState] | None = None
+               ) -> tuple[list[DraftTree], list[int]]:
+        """A tree per step (root only where nothing is drafted) and the levels drafted for it.
+        A structured step's tree holds only candidates its grammar allows (EAGLE-2 picks its
+        nodes among those; other trees are pruned after)."""
         trees = [root_only(s.token_ids[-1]) for s in steps]
         depths = [min(self.spec.max_depth, s.max_new_tokens - 1,
                       s.tree_depth if s.tree_depth is not None
@@ -244,9 +299,14 @@ class ModelRunner:
         if idle:  # called even when every one is retired: the drafter counts rounds without a draft
             self.drafter.sync([s for s in idle if s.head_sync])
         if decoding:
+            grammar = grammar or {}
+            self.drafter.allowed = (lambda seq_id, tokens, parents: grammar[seq_id].valid_candidates(tokens, parents)
+                                    if seq_id in grammar else None) if grammar else None
             proposed = self.drafter.propose([steps[i] for i in decoding], [depths[i] for i in decoding])
             for i, tree in zip(decoding, proposed):
-                trees[i] = tree
+                state = grammar.get(steps[i].seq_id)
+                trees[i] = tree if state is None or len(tree) == 1 else prune(
+                    tree, state.valid_candidates(tree.tokens[1:], [p - 1 for p in tree.parents[1:]]))
         return trees, [d if len(t) > 1 else 0 for d, t in zip(depths, trees)]
 
     @staticmethod

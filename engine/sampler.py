@@ -19,9 +19,31 @@ import torch
 from eagle_serve.engine import kernels
 from eagle_serve.engine.sampling_params import SamplingParams
 from eagle_serve.engine.step_io import TokenLogprobs
+from eagle_serve.engine.structured import apply_masks
 
 MASK64 = (1 << 64) - 1
 TOP_P_FIRST_K = 256  # candidates top-p looks at first (a nucleus past them widens the search)
+
+
+@dataclass(frozen=True)
+class GrammarMasks:
+    """Allowed-token bitmasks (32 tokens an int32 word, xgrammar's layout) for some rows of a
+    round's logits: bitmask[r] is row r's, for each r in `rows`; other rows are unmasked."""
+
+    bitmask: torch.Tensor  # [N, ceil(V / 32)] int32, on the CPU
+    rows: list[int]
+    vocab_size: int
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """In place, before temperature and truncation (as vLLM orders them)."""
+        if logits.device.type == "cpu" and logits.dtype == torch.float32:
+            apply_masks(logits, self.bitmask, self.rows, self.vocab_size)
+            return
+        rows = torch.tensor(self.rows, device=logits.device)
+        words = self.bitmask[self.rows].to(logits.device)
+        bits = (words.unsqueeze(-1) >> torch.arange(32, device=logits.device, dtype=torch.int32)) & 1
+        allowed = bits.reshape(len(self.rows), -1)[:, :logits.shape[1]].bool()
+        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
 
 
 @dataclass(frozen=True)
@@ -132,10 +154,13 @@ class Picks:
     its own). Logprobs likewise, for the rows read."""
 
     def __init__(self, logits: torch.Tensor, rows: list[SampleRow], stop_ids: frozenset[int],
-                 lazy: Container[int] = frozenset()):
+                 lazy: Container[int] = frozenset(), masks: GrammarMasks | None = None):
         self.raw, self.rows = logits, rows  # raw: the model's logits (logprobs are reported from them)
         if any(r.params.logit_bias or r.params.needs_penalties or r.params.min_tokens for r in rows):
             logits = process_logits(logits.clone(), rows, stop_ids)
+        if masks is not None:  # structured output: what the grammar refuses at each row is -inf
+            logits = logits.clone() if logits is self.raw else logits
+            masks.apply(logits)
         self.logits = logits
         self._tokens = choose(logits, rows, lazy).tolist()  # the round's one host sync
         self._drawn = [r.params.greedy or i not in lazy for i, r in enumerate(rows)]

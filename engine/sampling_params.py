@@ -9,6 +9,45 @@ GREEDY_BELOW = 1e-5  # a temperature under this samples greedily (vLLM's thresho
 
 
 @dataclass(frozen=True)
+class StructuredOutputs:
+    """The grammar a request's output must follow: exactly one of a JSON Schema (`json`, its
+    text), any JSON object (`json_object`), a regular expression, a list of literal choices, or
+    an EBNF grammar (`grammar`, xgrammar's EBNF / GBNF). The engine compiles it against the
+    model's tokenizer (engine/structured.py) and masks every token choice with it: plain
+    sampling, the draft tree's candidates and each verified node. Frozen and hashable: the
+    compiled-grammar cache is keyed by it."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self):
+        if self.choice is not None:
+            _check(isinstance(self.choice, (list, tuple)) and len(self.choice) > 0
+                   and all(isinstance(c, str) and c for c in self.choice),
+                   f"structured choice must be a non-empty list of non-empty strings, got {self.choice!r}")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, str) and value.strip() != ""),
+                   f"structured {name} must be a non-empty string, got {value!r}")
+        _check(isinstance(self.json_object, bool), f"json_object must be a bool, got {self.json_object!r}")
+        _check(len(self.kinds) == 1, "structured outputs take exactly one of json, json_object, regex, choice, "
+               f"grammar; got {', '.join(self.kinds) or 'none'}")
+
+    @property
+    def kinds(self) -> list[str]:
+        return [k for k in ("json", "json_object", "regex", "choice", "grammar")
+                if getattr(self, k) not in (None, False)]
+
+    @property
+    def kind(self) -> str:
+        return self.kinds[0]
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How one request picks its tokens and when it stops.
 
@@ -37,6 +76,7 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    structured: StructuredOutputs | None = None  # a grammar the output follows (None: free text)
 
     def __post_init__(self):
         _check(self.max_tokens is None or (_int(self.max_tokens) and self.max_tokens >= 1),
@@ -67,6 +107,13 @@ class SamplingParams:
                f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
         _check(isinstance(self.stop_token_ids, (list, tuple)) and all(_int(t) and t >= 0 for t in self.stop_token_ids),
                f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+        _check(self.structured is None or isinstance(self.structured, StructuredOutputs),
+               f"structured must be a StructuredOutputs, got {self.structured!r}")
+        # a grammar ends the text where it completes: min_tokens or ignore_eos would force tokens
+        # past its end (every token masked)
+        _check(self.structured is None or (self.min_tokens == 0 and not self.ignore_eos),
+               "min_tokens and ignore_eos cannot be combined with structured output (the grammar decides "
+               "where the output ends)")
         object.__setattr__(self, "stop", tuple(stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 

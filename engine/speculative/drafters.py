@@ -21,6 +21,10 @@ class Drafter(abc.ABC):
     # (cumulative; the loop leaves these seconds out of the round time the budget learns from).
     catchup_seconds: float = 0.0
     catchup_pairs: int = 0
+    # Set by the engine for a round with structured sequences: allowed(seq_id, tokens, parents)
+    # says which of a sequence's candidates its grammar allows (parents: -1 the root; None: the
+    # sequence has no grammar). A drafter that ranks candidates keeps only allowed ones.
+    allowed = None
 
     @abc.abstractmethod
     def propose(self, steps: list[SeqStep], max_depths: list[int]) -> list[DraftTree]:

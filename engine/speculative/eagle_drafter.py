@@ -188,7 +188,8 @@ class EagleDrafter(Drafter):
                     self._grow([steps[active[j]] for j in todo], [growths[j] for j in todo], depth)
         for j, i in enumerate(active):
             g = growths[j]
-            trees[i] = self._tree(steps[i].token_ids[-1], g, steps[i].tree_tokens)
+            ok = self.allowed(steps[i].seq_id, g.cands.tokens, g.cands.parents) if self.allowed else None
+            trees[i] = self._tree(steps[i].token_ids[-1], g, steps[i].tree_tokens, ok)
             nodes = sorted(((sc, d) for sc, d in zip(g.cands.scores, g.depths) if d <= g.max_depth),
                            key=lambda x: -x[0])[:MAX_CONFIDENCE]
             self._confidence[steps[i].seq_id] = (tuple(math.exp(sc) for sc, _ in nodes), tuple(d for _, d in nodes))
@@ -394,9 +395,11 @@ class EagleDrafter(Drafter):
             rows.append([k in seen for k in keys])
         return torch.tensor(rows, dtype=torch.bool)
 
-    def _tree(self, root: int, g: Growth, total: int | None) -> DraftTree:
+    def _tree(self, root: int, g: Growth, total: int | None, allowed: list[bool] | None = None) -> DraftTree:
+        """The kept candidates (EAGLE-2: the best `total - 1` by score) among those within the
+        depth and, for a structured sequence, those its grammar allows (`allowed`)."""
         cands = g.cands
-        ok = [c for c in range(len(cands)) if g.depths[c] <= g.max_depth]
+        ok = [c for c in range(len(cands)) if g.depths[c] <= g.max_depth and (allowed is None or allowed[c])]
         if self.static and total is None:
             keep = ok
         else:

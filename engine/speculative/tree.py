@@ -116,3 +116,18 @@ def from_paths(root: int, paths: list[list[int]]) -> DraftTree:
                 parents.append(index[key[:-1]])
                 depths.append(d)
     return DraftTree(tokens, parents, depths)
+
+
+def prune(tree: DraftTree, keep: list[bool]) -> DraftTree:
+    """The tree without the nodes below the root that `keep` (one flag a node, node 1 first)
+    drops, and their descendants."""
+    alive = [True] + list(keep)
+    node_of, tokens, parents, depths = {0: 0}, [tree.tokens[0]], [-1], [0]
+    for i in range(1, len(tree)):
+        p = tree.parents[i]
+        if alive[i] and p in node_of:
+            node_of[i] = len(tokens)
+            tokens.append(tree.tokens[i])
+            parents.append(node_of[p])
+            depths.append(tree.depths[i])
+    return DraftTree(tokens, parents, depths)
