@@ -210,11 +210,6 @@ class GrammarState:
         return ok
 
 
-def apply_masks(logits: torch.Tensor, masks: torch.Tensor, rows: list[int], vocab_size: int) -> None:
-    """In place: -inf at the tokens each listed row's bitmask (masks[j] for rows[j]) excludes."""
-    _xgr().apply_token_bitmask_inplace(logits, masks, indices=rows, vocab_size=vocab_size)
-
-
 def allocate(rows: int, vocab_size: int) -> torch.Tensor:
     return _xgr().allocate_token_bitmask(rows, vocab_size)
 

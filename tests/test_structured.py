@@ -330,3 +330,22 @@ def test_compiled_grammars_are_cached_and_bounded(tiny_llama):
     assert g.stats.misses == 5 and g.stats.hits == 1 and len(g.cache) == 3
     assert list(g.cache) == specs[2:]
     assert len(g.stats.compile_seconds) == 5
+
+
+def test_mask_application_equals_xgrammars_kernel():
+    """Both ways of applying masks (numpy on float32 CPU logits, torch elsewhere) give xgrammar's
+    own result: -inf exactly where a listed row's bit is 0, other rows untouched."""
+    import xgrammar
+    from eagle_serve.engine.sampler import GrammarMasks
+    gen = torch.Generator().manual_seed(0)
+    vocab, n = 1000, 4
+    bitmask = torch.randint(-2**31, 2**31 - 1, (n, (vocab + 31) // 32), generator=gen, dtype=torch.int64).to(torch.int32)
+    logits = torch.randn(n, vocab, generator=gen)
+    ref = logits.clone()
+    xgrammar.apply_token_bitmask_inplace(ref, bitmask, indices=[0, 2], vocab_size=vocab)
+    fast = logits.clone()
+    GrammarMasks(bitmask, [0, 2], vocab).apply(fast)
+    generic = logits.double()
+    GrammarMasks(bitmask, [0, 2], vocab).apply(generic)
+    assert torch.equal(fast, ref) and torch.equal(generic.float(), ref)
+    assert torch.isinf(ref[0]).any() and torch.equal(ref[1], logits[1])
