@@ -44,6 +44,9 @@ class TrainConfig:
     save_every: int = 50  # optimizer steps between resumable checkpoints
     bias: bool = True
     aux_layers: tuple[int, ...] = ()  # fused features: target layers whose outputs the head also reads
+    # eagle2: the EAGLE-1/2 head (published EAGLE layout); eagle3: an EAGLE-3 head over the aux
+    # layers' streams (default: EAGLE-3's low / middle / high layers), SpecForge's layout
+    arch: str = "eagle2"
     progress: bool = True
     extra: dict = field(default_factory=dict)
 
@@ -66,7 +69,10 @@ class TrainConfig:
                   (self.regen_max_prompt >= 1, "regen_max_prompt must be >= 1"),
                   (self.regen_max_turns >= 1, "regen_max_turns must be >= 1"),
                   (len(set(self.aux_layers)) == len(self.aux_layers) and all(i >= 0 for i in self.aux_layers),
-                   "aux_layers must be distinct layer indices >= 0")]
+                   "aux_layers must be distinct layer indices >= 0"),
+                  (self.arch in ("eagle2", "eagle3"), f"arch must be eagle2 or eagle3, got {self.arch!r}"),
+                  (self.arch != "eagle3" or self.init is None,
+                   "--init takes EAGLE-1/2 heads: an EAGLE-3 head is trained from a new head")]
         for ok, msg in checks:
             if not ok:
                 raise ValueError(msg)
@@ -90,7 +96,7 @@ class TrainConfig:
         keys = (self.data_key(), self.init and source_key(self.init, content=True), self.ttt_steps, self.ttt_decay,
                 self.p_weight, self.lr, self.batch_tokens, self.draft_vocab, self.epochs, self.noise, self.weight_decay,
                 self.warmup_steps, self.seed, self.heldout_fraction, self.bias) + \
-            ((tuple(self.aux_layers),) if self.aux_layers else ())
+            ((tuple(self.aux_layers),) if self.aux_layers else ()) + ((self.arch,) if self.arch != "eagle2" else ())
         return hashlib.sha256(repr(keys).encode()).hexdigest()[:16]
 
 

@@ -18,6 +18,7 @@ from eagle_serve.engine.model_files import ModelLoadError
 from eagle_serve.engine.speculative.eagle_head import _read_weights, load_eagle_head, shares_target_rotary
 from eagle_serve.engine.train.config import TrainConfig, progress_bar
 from eagle_serve.engine.train.data import DataError
+from eagle_serve.engine.train.eagle3 import Eagle3TrainHead, save_eagle3
 from eagle_serve.engine.train.head import TrainHead, head_config, save_head
 from eagle_serve.engine.train.losses import Losses, batches, build_draft_vocab, pad
 
@@ -75,10 +76,15 @@ def fit(cfg: TrainConfig, loaded, ids, masks, feats, offsets, train_idx, held_id
     if d2t is not None:
         log(f"draft vocabulary: {what}, covering {coverage:.4f} of assistant tokens")
     losses = Losses(embed, lm, d2t, cfg.p_weight)
-    base = feats[0] if isinstance(feats, tuple) else feats
+    eagle3 = cfg.arch == "eagle3"
+    # the noise's scale: of what the head reads (the final feature, or an EAGLE-3 head's streams)
+    base = feats[1] if eagle3 else feats[0] if isinstance(feats, tuple) else feats
     rms = float(base[train_tok[:200000]].float().pow(2).mean().sqrt())
     noise_amp = cfg.noise * rms
-    head = TrainHead(shape, bias=bias, aux_layers=tuple(cfg.aux_layers))
+    if eagle3:
+        head = Eagle3TrainHead(shape, tuple(cfg.aux_layers), losses.lm_rows)
+    else:
+        head = TrainHead(shape, bias=bias, aux_layers=tuple(cfg.aux_layers))
     if init is not None:
         head.load_eagle_state_dict(init)  # aux layers checked against --init's at the start
         log(f"starting from the head in {cfg.init}")
@@ -114,6 +120,12 @@ def fit(cfg: TrainConfig, loaded, ids, masks, feats, offsets, train_idx, held_id
             if os.path.exists(log_path):
                 os.replace(log_path, log_path + ".old")
     hcfg = head_config(shape, bias, len(d2t) if d2t is not None else None, tuple(cfg.aux_layers))
+
+    def write_head(path: str, extra: dict | None = None) -> None:
+        if eagle3:  # SpecForge's layout, which SGLang and vLLM read too
+            save_eagle3(head, path, loaded.model, d2t)
+        else:
+            save_head(head, path, hcfg, d2t, extra=extra)
 
     def save_state():
         check_finite(head, f"at step {state['step']}")  # (a checkpoint of NaNs would resume into them)
@@ -167,7 +179,7 @@ def fit(cfg: TrainConfig, loaded, ids, masks, feats, offsets, train_idx, held_id
                 save_state()
             if snap_every and state["step"] % snap_every == 0:
                 check_finite(head, f"at step {state['step']}")
-                save_head(head, os.path.join(cfg.out, "snapshots", f"tokens_{state['tokens']:09d}"), hcfg, d2t)
+                write_head(os.path.join(cfg.out, "snapshots", f"tokens_{state['tokens']:09d}"))
             if STOP.is_set():
                 save_state()
                 raise Interrupted(f"interrupted at epoch {epoch + 1}, step {state['step']} of {total_steps}: "
@@ -187,12 +199,13 @@ def fit(cfg: TrainConfig, loaded, ids, masks, feats, offsets, train_idx, held_id
     card = {"target": loaded.name, "data": cfg.data, "regenerated": cfg.regenerate,
             "epochs": cfg.epochs, "train_tokens_seen": state["tokens"], "tokens_per_epoch": tokens_per_epoch,
             "draft_vocab": len(d2t) if d2t is not None else vocab, "draft_vocab_coverage": round(coverage, 4),
-            "noise": cfg.noise, "init": cfg.init, "ttt_steps": cfg.ttt_steps, "p_weight": cfg.p_weight,
+            "arch": cfg.arch, "aux_layers": list(cfg.aux_layers), "noise": cfg.noise, "init": cfg.init,
+            "ttt_steps": cfg.ttt_steps, "p_weight": cfg.p_weight,
             "train_seconds": round(state["elapsed"], 1),
             "history": state["history"], "config": {k: v for k, v in asdict(cfg).items() if k != "extra"},
             **final, **cfg.extra}
     check_finite(head, "at the end")
-    save_head(head, cfg.out, hcfg, d2t, extra={"eagle_serve_card": "card.json"})
+    write_head(cfg.out, extra={"eagle_serve_card": "card.json"})
     with open(os.path.join(cfg.out, "card.json"), "w") as f:
         json.dump(card, f, indent=2)
     return card

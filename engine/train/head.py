@@ -20,6 +20,8 @@ from eagle_serve.engine.speculative.eagle_head import aux_norm
 
 
 class TrainHead(nn.Module):
+    regresses_features = True  # the loss includes the predicted feature's regression
+
     def __init__(self, cfg: ModelConfig, bias: bool = True, aux_layers: tuple[int, ...] = ()):
         super().__init__()
         h = cfg.hidden_size
@@ -116,6 +118,10 @@ class TrainHead(nn.Module):
         acc = torch.promote_types(h.dtype, torch.float32)  # float64 heads (tests) keep float64
         n = h * torch.rsqrt(h.to(acc).pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps).to(h.dtype) * self.norm_weight
         return h + self.down_proj(F.silu(self.gate_proj(n)) * self.up_proj(n))
+
+    def draft_logits(self, pred: torch.Tensor, lm_rows: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary: the target's LM head (its draft-vocabulary rows)."""
+        return pred @ lm_rows.T
 
     def eagle_state_dict(self) -> dict[str, torch.Tensor]:
         """Weights under the published EAGLE names."""

@@ -1,7 +1,8 @@
 """The losses of draft-head training, and the padded batches they take.
 
 From (f_t, x_{t+1}) the head predicts f_{t+1}; loss = SmoothL1(feature) + p_weight x soft
-cross-entropy of lm_head(prediction) against softmax(lm_head(f_{t+1})), on positions whose
+cross-entropy of lm_head(prediction) against softmax(lm_head(f_{t+1})) (an EAGLE-3 head: the
+soft cross-entropy of its own LM head's distribution alone), on positions whose
 next-next token is an assistant token, with uniform noise on the input features. The
 cross-entropy is reported as KL (minus the target's entropy, a constant), so 0 is perfect. With a
 draft vocabulary of K tokens both distributions are taken over those K tokens.
@@ -76,11 +77,15 @@ class Losses:
         bfeat, baux = bfeat if isinstance(bfeat, tuple) else (bfeat, None)
         emb = self.embed[bid[:, 1:]]
         f_in = bfeat[:, :-1]
-        if noise_amp > 0:
-            f_in = f_in + (torch.rand(f_in.shape, generator=generator) * 2 - 1) * noise_amp
+        a_in = baux[:, :-1] if baux is not None else None
+        if noise_amp > 0:  # on what the head reads: the final feature, or an EAGLE-3 head's streams
+            if head.regresses_features:
+                f_in = f_in + (torch.rand(f_in.shape, generator=generator) * 2 - 1) * noise_amp
+            else:
+                a_in = a_in + (torch.rand(a_in.shape, generator=generator) * 2 - 1) * noise_amp
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bfeat.device.type == "cpu"):
             if baux is not None:
-                f_in = head.fuse(f_in, baux[:, :-1])
+                f_in = head.fuse(f_in, a_in)
             preds = head.forward_steps(emb, f_in, steps) if steps > 1 else [head(emb, f_in)]
         tgt = bfeat[:, 1:]
         w = torch.zeros_like(bmask[:, 1:])
@@ -104,14 +109,16 @@ class Losses:
                 step_agree.append((0.0, 0))
                 continue
             p_sel = pred.float()[w][keep]
-            vloss = F.smooth_l1_loss(p_sel, t_sel[keep], reduction="none").mean(-1).mean()
+            vloss = F.smooth_l1_loss(p_sel, t_sel[keep], reduction="none").mean(-1).mean() \
+                if head.regresses_features else torch.zeros((), dtype=p_sel.dtype)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bfeat.device.type == "cpu"):
-                p_logits = p_sel @ self.lm_rows.T
+                p_logits = head.draft_logits(p_sel, self.lm_rows)
             p_logp = p_logits.float().log_softmax(-1)
             # soft cross-entropy minus the target's entropy (a constant): KL(target || draft), so
             # the reported loss reaches 0 for a perfect draft; the gradient is the cross-entropy's
             ploss = (-(t_prob[keep] * p_logp).sum(-1) - t_entropy[keep]).mean()
-            total = total + decay ** (s - 1) * (vloss + self.p_weight * ploss)
+            # (a head without feature regression, EAGLE-3's, learns from the distribution alone)
+            total = total + decay ** (s - 1) * (vloss + (self.p_weight if head.regresses_features else 1.0) * ploss)
             with torch.no_grad():
                 p_top = p_logits.argmax(-1)
                 agree = (p_top == t_top[keep]).float().sum().item()
