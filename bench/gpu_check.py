@@ -14,7 +14,8 @@ every step so a crash or a timeout still leaves the steps done so far. Sections:
   correctness   (a) tiny float32 model: greedy speculative decoding == plain greedy, with an
                 oracle drafter (the target's own greedy continuation, acceptance set per run,
                 chains and branchy trees) and a random-weight EAGLE-2 / EAGLE-1 head (the real
-                tree path); CUDA graphs on and off; graph vs eager hidden states
+                tree path) and EAGLE-3 head (the target capturing its low / middle / high
+                streams, in the CUDA graphs too); CUDA graphs on and off; graph vs eager
   backends      (b) every attention backend that constructs here (torch, flash, the graphs'
                 padded SDPA) vs a float64 reference on random inputs, per dtype, with tolerances
   kv_sizing     the automatic KV cache size from --gpu-memory-utilization (CUDA)
@@ -148,9 +149,42 @@ def random_eagle_head(cfg: ModelConfig, dtype: torch.dtype, device: torch.device
     return head.eval()
 
 
+def eagle3_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's default low / middle / high layers; every layer below the last where the target
+    has fewer than four."""
+    from eagle_serve.engine.train.eagle3 import default_aux_layers
+    return default_aux_layers(num_layers) if num_layers >= 4 else tuple(range(num_layers - 1))
+
+
+def random_eagle3_head(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 2, std: float = 0.05,
+                       draft_vocab: int | None = None):
+    """A random EAGLE-3 head on EAGLE-3's default low / middle / high layers of `cfg`'s target,
+    over a draft vocabulary of `draft_vocab` target ids (every other id; None: the whole
+    vocabulary)."""
+    from eagle_serve.engine.speculative.eagle3_head import Eagle3Head
+    aux = eagle3_layers(cfg.num_layers)
+    vocab = draft_vocab or cfg.vocab_size
+    with torch.device("meta"):
+        head = Eagle3Head(dataclasses.replace(cfg, num_layers=1), cfg.hidden_size, aux, vocab,
+                          norm_before_residual=False, fc_bias=False, own_embed=False)
+    head = head.to(dtype).to_empty(device=device)
+    init_random_(head, seed, std)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+    if draft_vocab is not None:
+        head.d2t = torch.arange(0, 2 * draft_vocab, 2, device=device)[:draft_vocab]
+    return head.eval()
+
+
 def build_runner(name: str, cfg: ModelConfig, dtype: str, device: str, kv_tokens: int | None, max_seqs: int,
-                 token_sizes=None, std: float = 0.02, seed: int = 0, peaked: bool = False, **engine) -> ModelRunner:
+                 token_sizes=None, std: float = 0.02, seed: int = 0, peaked: bool = False,
+                 aux_layers: tuple[int, ...] = (), **engine) -> ModelRunner:
+    """aux_layers: the target returns these layers' streams too (an EAGLE-3 head's), set before
+    the CUDA graphs are captured so the captured outputs carry them."""
     net = random_model(cfg, getattr(torch, dtype), torch.device(device), seed, std)
+    net.set_aux_layers(aux_layers)
     if peaked:
         peak_(net, seed)
     if ATTENTION[0] is not None:
@@ -337,6 +371,8 @@ def step_correctness(args, deadline) -> dict:
                 print(f"  correctness {name:26s} graphs={graphs!s:5s} equal={div is None} "
                       f"accept_len={r['accept_len']}", flush=True)
         out["graph_vs_eager"] = graph_vs_eager(runner, cfg, rng)
+        if not deadline.expired():
+            out["runs"] += eagle3_runs(args, cfg, prompts, ref, max_new, tree)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev_tf32
     equal = all(r["equal_to_plain"] for r in out["runs"])
@@ -352,6 +388,32 @@ def step_correctness(args, deadline) -> dict:
     out["graph_stats"] = dataclasses.asdict(runner.graphs.stats)
     out["graph_capture_failures"] = {str(k): v for k, v in runner.graphs.failed.items()}
     return out
+
+
+def eagle3_runs(args, cfg: ModelConfig, prompts: list[list[int]], ref: list[list[int]], max_new: int,
+                tree: int) -> list[dict]:
+    """A random EAGLE-3 head (reduced draft vocabulary) drafting for the correctness step's
+    target (same weights, the low / middle / high streams captured in every forward, CUDA
+    graphs included): greedy equal to plain, graphs on and off."""
+    from eagle_serve.engine.speculative.eagle_drafter import EagleDrafter
+    dev = args.device
+    runner = build_runner("tiny", cfg, "float32", dev, kv_tokens=8192, max_seqs=8, std=0.15, seed=3,
+                          aux_layers=eagle3_layers(cfg.num_layers))
+    head = random_eagle3_head(cfg, torch.float32, torch.device(dev), draft_vocab=cfg.vocab_size // 4)
+    spec = SpecConfig("eagle3", total_tokens=tree, depth=5, top_k=4)
+    use(runner, EagleDrafter(head, runner.model, spec, runner.num_blocks, BLOCK, torch.float32, runner.device), spec)
+    seq, runs = Seq(), []
+    seq.next = 10_000
+    for graphs in ([True, False] if runner.graphs.enabled else [False]):
+        runner.graphs.enabled = graphs
+        r = generate(runner, prompts, max_new, seq(len(prompts)))
+        div = first_divergence(r["outputs"], ref)
+        runs.append({"name": "eagle3", "graphs": graphs, "equal_to_plain": div is None, "first_divergence": div,
+                     "accept_len": r["accept_len"], "expected_accept_len": None, "rounds": r["rounds"],
+                     "aux_layers": list(head.aux_layers)})
+        print(f"  correctness {'eagle3':26s} graphs={graphs!s:5s} equal={div is None} accept_len={r['accept_len']}",
+              flush=True)
+    return runs
 
 
 def mixed_spans(vocab: int, rng: random.Random, base_block: int = 0) -> list[SeqSpan]:
