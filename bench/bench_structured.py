@@ -130,7 +130,7 @@ def main(argv=None) -> None:
     rows = []
     for i, p in enumerate(ps):
         order = names[i % 4:] + names[:i % 4]
-        row = {"kind": p["kind"]}
+        row = {"kind": p["kind"], "schema": p["schema"]}
         for name in order:
             time.sleep(args.gap)
             row[name] = run(systems[name.split("+")[0]], p, name.endswith("+json"), args.max_new, clock)
@@ -138,6 +138,7 @@ def main(argv=None) -> None:
         print(f"prompt {i:2d} {p['kind']:10s} " + "  ".join(
             f"{n} {row[n]['tokens'] / row[n]['seconds']:6.1f} tok/s" for n in names), flush=True)
     summary = summarize(rows, names)
+    summary["jump_forward"] = forced_positions(systems["plain"], rows)
     result = {"benchmark": "structured_output", "model": "embedded default (SmolLM2-135M-Instruct)",
               "draft": os.path.basename(os.path.normpath(draft)), "dtype": args.dtype, "max_new": args.max_new,
               "prompts_per_kind": args.prompts, "threads": os.cpu_count(), "summary": summary,
@@ -148,6 +149,31 @@ def main(argv=None) -> None:
         json.dump(result, f, indent=1)
     print(json.dumps(summary, indent=1))
     plot(summary, os.path.splitext(args.out)[0] + ".png")
+
+
+def forced_positions(llm: LLM, rows: list[dict]) -> dict:
+    """Of the tokens plain+json emitted, how many were the only token its grammar allowed there
+    (what token-level jump-forward would emit without a forward), and the text the grammar alone
+    decided at each position (xgrammar's jump-forward string: emitting it skips forwards but
+    tokenizes it the grammar's way, not necessarily the model's)."""
+    grammars, vocab = llm.runner.grammars, llm.runner.loaded.config.vocab_size
+    forced = total = jump_positions = jump_chars = 0
+    for r in rows:
+        out = r["plain+json"]
+        state = grammars.state(StructuredOutputs(json=json.dumps(r["schema"])))
+        mask = structured.allocate(1, vocab)
+        for t in out["ids"]:
+            state._fill(mask, 0)
+            bits = int(sum(bin(w & 0xFFFFFFFF).count("1") for w in mask[0].tolist()))
+            forced += bits == 1
+            total += 1
+            jump = state.matcher.find_jump_forward_string()  # text the grammar alone decides from here
+            jump_positions += bool(jump)
+            jump_chars += len(jump)
+            state.accept([t])
+    return {"forced_tokens": forced, "tokens": total, "forced_fraction": round(forced / max(total, 1), 4),
+            "positions_with_forced_text": jump_positions, "forced_chars": jump_chars,
+            "output_chars": sum(len(r["plain+json"]["text"]) for r in rows)}
 
 
 def summarize(rows: list[dict], names: list[str]) -> dict:
