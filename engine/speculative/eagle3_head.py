@@ -15,6 +15,7 @@ run the EAGLE-2 layer only.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import replace
@@ -29,8 +30,8 @@ from eagle_serve.engine.layers import INT8_MAX_ROWS, W8A8_MAX_ROWS, Linear, RMSN
 from eagle_serve.engine.loader import ModelLoadError, fill_parameters, read_json
 from eagle_serve.engine.model_config import ModelConfig, UnsupportedModel
 from eagle_serve.engine.models.llama import MLP, Attention, LlamaForCausalLM
-from eagle_serve.engine.speculative.eagle3_config import (EAGLE3_ARCHITECTURE, Eagle3ConfigError, Eagle3Layout, is_eagle3,
-                                                         parse_eagle3)
+from eagle_serve.engine.speculative.eagle3_config import (EAGLE3_ARCHITECTURE, SPECULATORS_ARCHITECTURE,
+                                                         Eagle3ConfigError, Eagle3Layout, is_eagle3, parse_eagle3)
 from eagle_serve.engine.speculative.eagle_head import EagleHead, _read_weights, load_eagle_head, topk_log_probs
 
 log = logging.getLogger(__name__)
@@ -237,3 +238,93 @@ def _token_ids(d2t, t2d, draft_vocab: int, vocab: int, path: str) -> torch.Tenso
     if t2d is not None and (t2d.shape != (vocab,) or not torch.equal(marked, ids.sort().values)):
         raise ModelLoadError(f"EAGLE-3 head {path!r}: t2d does not mark the target ids d2t maps to")
     return ids
+
+
+SAVE_LAYOUTS = ("specforge", "speculators")
+
+
+def save_eagle3_head(head: Eagle3Head, path: str, layout: str = "specforge", embed: torch.Tensor | None = None,
+                     dtype: torch.dtype | None = None, verifier: str | None = None) -> str:
+    """Write `head` as an EAGLE-3 head directory (config.json + model.safetensors) that this
+    loader and the layout's own reads: "specforge" (SpecForge's `LlamaForCausalLMEagle3`,
+    EAGLE's layout: `midlayer.*`, captured layers in eagle_config) or "speculators"
+    (`Eagle3Speculator`: `layers.0.*`, nested transformer_layer_config, top-level ids).
+
+    The q/k/v and gate/up projections are written unfused, d2t as offsets (target id = i +
+    d2t[i]) with t2d marking the target ids. `embed` is the token embedding to write as
+    embed_tokens.weight where the head shares the target's (its own is always written): both
+    references' models hold one, so without it SpecForge's loader reports embed_tokens.weight
+    missing (speculators' takes it from the verifier). dtype None keeps the head's. `verifier`
+    (speculators) is the target's name or path written as the verifier's name_or_path:
+    speculators' from_pretrained reads the target's config, lm_head and final norm from it."""
+    if layout not in SAVE_LAYOUTS:
+        raise ValueError(f"layout {layout!r}: expected one of {', '.join(SAVE_LAYOUTS)}")
+    cfg, layer = head.config, head.midlayer
+    if layout == "specforge" and layer.norm_before_residual:
+        raise ValueError("SpecForge's EAGLE-3 layer has no norm_before_residual: write this head as speculators")
+    dtype = dtype or head.lm_head.weight.dtype
+    # the engine's fused projections -> the unfused ones every layout names
+    unfused = {"midlayer.self_attn.qkv_proj.": (("self_attn.q_proj", cfg.q_size), ("self_attn.k_proj", cfg.kv_size),
+                                                ("self_attn.v_proj", cfg.kv_size)),
+               "midlayer.mlp.gate_up_proj.": (("mlp.gate_proj", cfg.intermediate_size),
+                                              ("mlp.up_proj", cfg.intermediate_size))}
+    weights: dict[str, torch.Tensor] = {}
+    for name, w in head.named_parameters():
+        w = w.detach()
+        prefix = next((f for f in unfused if name.startswith(f)), None)
+        if name.startswith("embed_tokens."):
+            continue
+        if prefix is None:
+            weights[name] = w
+            continue
+        suffix = name.removeprefix(prefix)  # weight or bias
+        for (part, _), t in zip(unfused[prefix], w.split([n for _, n in unfused[prefix]], dim=0)):
+            weights[f"midlayer.{part}.{suffix}"] = t
+    own = head.embed_tokens.weight.detach() if head.embed_tokens is not None else embed
+    if own is not None:
+        if tuple(own.shape) != (cfg.vocab_size, cfg.hidden_size):
+            raise ValueError(f"embed of shape {tuple(own.shape)}: the head's embedding is "
+                             f"{(cfg.vocab_size, cfg.hidden_size)}")
+        weights["embed_tokens.weight"] = own
+    weights = {k: v.to(device="cpu", dtype=dtype).contiguous() for k, v in weights.items()}
+    draft_vocab = head.lm_head.weight.shape[0]
+    if head.d2t is not None or layout == "specforge":  # (SpecForge's model holds the buffers either way)
+        ids = head.d2t.cpu() if head.d2t is not None else torch.arange(draft_vocab)
+        weights["d2t"] = (ids - torch.arange(draft_vocab)).to(torch.int64)
+        weights["t2d"] = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+        weights["t2d"][ids] = True
+    if layout == "speculators":
+        weights = {("layers.0." + k.removeprefix("midlayer.") if k.startswith("midlayer.") else k): v
+                   for k, v in weights.items()}
+    rope = {"rope_type": "default", **cfg.rope_scaling, "rope_theta": cfg.rope_theta}
+    llama = {"model_type": "llama", "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+             "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+             "num_hidden_layers": 1, "vocab_size": cfg.vocab_size, "rms_norm_eps": cfg.rms_norm_eps,
+             "max_position_embeddings": cfg.max_position_embeddings, "hidden_act": "silu",
+             "tie_word_embeddings": False, "attention_bias": cfg.qkv_bias, "mlp_bias": cfg.mlp_bias,
+             "rope_theta": cfg.rope_theta, "rope_parameters": rope,
+             **({"rope_scaling": dict(cfg.rope_scaling)} if cfg.rope_scaling else {})}
+    target_hidden = head.target_hidden if head.target_hidden != cfg.hidden_size else None
+    if layout == "specforge":
+        config = {"architectures": [EAGLE3_ARCHITECTURE], **llama, "draft_vocab_size": draft_vocab,
+                  # ids of the layers whose outputs the head reads: the engine's aux layers
+                  "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(head.aux_layers)}}
+        if target_hidden is not None:
+            config["target_hidden_size"] = target_hidden
+    else:
+        config = {"architectures": [SPECULATORS_ARCHITECTURE], "speculators_model_type": "eagle3",
+                  "transformer_layer_config": {**llama, "architectures": ["LlamaForCausalLM"]},
+                  "draft_vocab_size": draft_vocab, "norm_before_residual": layer.norm_before_residual,
+                  "norm_before_fc": False, "fc_norm": False, "norm_output": False, "target_hidden_size": target_hidden,
+                  # ids of the layers the states enter (Hugging Face output_hidden_states indices)
+                  "eagle_aux_hidden_state_layer_ids": [i + 1 for i in head.aux_layers],
+                  "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
+                                         "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+                                         "verifier": {"name_or_path": verifier, "architectures": ["LlamaForCausalLM"]}},
+                  "tie_word_embeddings": False}
+    from safetensors.torch import save_file
+    os.makedirs(path, exist_ok=True)
+    save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+    return path
