@@ -9,6 +9,8 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 # freq_factors: per-frequency divisors, as a GGUF's rope_freqs tensor gives them (engine/gguf_loader.py)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
@@ -37,8 +39,20 @@ class ModelConfig:
     rope_scaling: dict = field(default_factory=dict)  # {"rope_type": ..., factor, ...}
     sliding_window: int | None = None
     architecture: str = "LlamaForCausalLM"
+    qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3)
+    # sparse mixture of experts (Qwen3-MoE): the layers whose MLP is `num_experts` experts of
+    # width moe_intermediate_size, each token routed to its top num_experts_per_tok (softmax
+    # over the router's logits, renormalised over the chosen when norm_topk_prob)
+    moe_layers: tuple[int, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
 
     def __post_init__(self):
+        if self.moe_layers and not (0 < self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size > 0):
+            raise UnsupportedModel(f"mixture of experts: num_experts_per_tok {self.num_experts_per_tok} must be in "
+                                   f"[1, num_experts {self.num_experts}] and moe_intermediate_size positive")
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedModel(f"num_attention_heads {self.num_heads} is not a multiple of "
                                    f"num_key_value_heads {self.num_kv_heads}")
@@ -127,7 +141,16 @@ class ModelConfig:
         if "type" in rope and "rope_type" not in rope:
             rope["rope_type"] = rope.pop("type")
         theta = rope.pop("rope_theta") if "rope_theta" in rope else cfg.get("rope_theta", 10000.0)  # (0 is refused, not 10000)
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch != "Qwen2ForCausalLM") else None
+        qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+        moe = {}
+        if arch == "Qwen3MoeForCausalLM":
+            experts = cfg.get("num_experts", cfg.get("num_local_experts", 0))
+            step, dense = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or [])
+            moe = dict(num_experts=experts, num_experts_per_tok=cfg["num_experts_per_tok"],
+                       moe_intermediate_size=cfg["moe_intermediate_size"], norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                       moe_layers=tuple(i for i in range(cfg["num_hidden_layers"])
+                                        if i not in dense and experts > 0 and step > 0 and (i + 1) % step == 0))
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", not qwen) else None
         return cls(
             vocab_size=cfg["vocab_size"], hidden_size=hidden,
             intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
@@ -139,4 +162,5 @@ class ModelConfig:
             o_bias=arch != "Qwen2ForCausalLM" and bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             rope_scaling=rope if rope.get("rope_type", "default") != "default" else {},
-            sliding_window=window, architecture=arch)
+            sliding_window=window, architecture=arch, qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            **moe)

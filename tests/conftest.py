@@ -30,8 +30,11 @@ def write_tiny_model(path: str, arch: str = "llama", *, tie: bool = False, kv_he
                      rope_scaling: dict | None = None, vocab: int = 320, layers: int = 2,
                      dtype=torch.float64, seed: int = 0, std: float = 0.15, tokenizer: bool = True,
                      intermediate: int = 128):
-    """Save a random HF model (LlamaForCausalLM or Qwen2ForCausalLM) + tokenizer to `path`."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    """Save a random HF model (LlamaForCausalLM, Qwen2ForCausalLM, or Qwen3ForCausalLM /
+    Qwen3MoeForCausalLM, whose heads are 32 wide: q and k projections wider than the hidden size)
+    + tokenizer to `path`."""
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+                              Qwen3MoeConfig, Qwen3MoeForCausalLM)
     torch.manual_seed(seed)
     common = dict(hidden_size=64, intermediate_size=intermediate, num_hidden_layers=layers, num_attention_heads=4,
                   num_key_value_heads=kv_heads, vocab_size=vocab, max_position_embeddings=512,
@@ -39,9 +42,17 @@ def write_tiny_model(path: str, arch: str = "llama", *, tie: bool = False, kv_he
                   rms_norm_eps=1e-6)
     if arch == "qwen2":
         cfg, cls = Qwen2Config(**common, rope_theta=10000.0), Qwen2ForCausalLM
+    elif arch == "qwen3":
+        cfg, cls = Qwen3Config(**common, rope_theta=10000.0, head_dim=32), Qwen3ForCausalLM
+    elif arch == "qwen3_moe":  # 8 experts, 2 a token; layer 1 of 3 dense (mlp_only_layers)
+        cfg, cls = Qwen3MoeConfig(**{**common, "num_hidden_layers": max(layers, 3)}, rope_theta=10000.0, head_dim=32,
+                                  num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                                  norm_topk_prob=True, mlp_only_layers=[1]), Qwen3MoeForCausalLM
     else:
         extra = {"rope_scaling": rope_scaling} if rope_scaling else {}
         cfg, cls = LlamaConfig(**common, **extra), LlamaForCausalLM
+    if arch == "qwen3_moe":
+        cfg._experts_implementation = "eager"  # (the grouped kernel takes no float64)
     model = cls(cfg).to(dtype).eval()
     with torch.no_grad():  # HF initialises norms to 1: perturb them so a norm bug shows
         for name, p in model.named_parameters():
@@ -78,3 +89,22 @@ def _profiles_ignore_machine_load(monkeypatch):
     # every test measures its own engines: a profile cached by an earlier test (or run) would
     # skip what the profiling tests check; the cache has its own tests, which turn it on
     monkeypatch.setenv("EAGLE_SERVE_PROFILE_CACHE", "off")
+
+
+@pytest.fixture(scope="session")
+def tools_llm():
+    """The embedded default model (float32, plain decoding) with the shipped chatml_tools chat
+    template: structured output and tool calls on a model that writes sensible JSON."""
+    from eagle_serve.server.llm import LLM
+    return LLM(None, dtype="float32", device="cpu", kv_cache_tokens=4096, chat_template="chatml_tools")
+
+
+@pytest.fixture(scope="session")
+def tools_server(tools_llm):
+    """A live server over `tools_llm` with --tool-call-parser hermes; `.state` is its ServerState."""
+    from eagle_serve.server.app import BackgroundServer, ServerState
+    state = ServerState(tools_llm, tool_call_parser="hermes")
+    srv = BackgroundServer(state)
+    srv.state = state
+    yield srv
+    srv.stop()

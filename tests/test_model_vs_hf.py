@@ -22,6 +22,9 @@ VARIANTS = {
     "llama-linear-rope": dict(arch="llama", rope_scaling={"rope_type": "linear", "factor": 2.0}),
     "qwen2-bias-tied": dict(arch="qwen2", tie=True),
     "qwen2-untied-mqa": dict(arch="qwen2", kv_heads=1),
+    "qwen3-qk-norm": dict(arch="qwen3"),
+    "qwen3-tied-mqa": dict(arch="qwen3", tie=True, kv_heads=1),
+    "qwen3-moe": dict(arch="qwen3_moe"),
 }
 
 

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3 and Qwen3-MoE, SmolLM2) over a paged KV
+cache.
 
 Follows Hugging Face's LlamaForCausalLM numerically and keeps its parameter names, except that
 q/k/v and gate/up are fused (`qkv_proj`, `gate_up_proj`); the loader concatenates them.
@@ -26,27 +27,60 @@ class Attention(nn.Module):
         self.cfg = cfg
         self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:  # Qwen3: each head's query and key RMS-normalised (one weight over head_dim)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache, backend: AttentionBackend):
         cfg, T = self.cfg, x.shape[0]
         qk, v = self.qkv_proj(x).split([cfg.q_size + cfg.kv_size, cfg.kv_size], dim=-1)
+        qk = qk.reshape(T, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            qk = torch.cat([self.q_norm(qk[:, :cfg.num_heads]), self.k_norm(qk[:, cfg.num_heads:])], dim=1)
         # q and k heads rotated in one go: [T, H + Hkv, D]
-        qk = apply_rope(qk.reshape(T, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), batch.cos, batch.sin)
+        qk = apply_rope(qk, batch.cos, batch.sin)
         q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
         return self.o_proj(backend.forward(q, k, v, self.layer, batch, kv))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, intermediate: int | None = None):
         super().__init__()
-        self.inter = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.inter = intermediate or cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias)
+        self.down_proj = Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+
+class SparseMoE(nn.Module):
+    """A mixture-of-experts MLP (Qwen3-MoE, Hugging Face's names: `gate` is the router, `experts.i`
+    each an MLP of width moe_intermediate_size): each token goes to the experts with its top-k
+    router probabilities (softmax in float32), their outputs summed with those
+    probabilities (renormalised over the chosen with norm_topk_prob). The experts run on the rows
+    routed to them, one expert at a time."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k, self.renormalise = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(cfg, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.gate(x)
+        probs = logits.softmax(-1, dtype=torch.float32)  # float32 whatever the model's dtype, as HF's
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        if self.renormalise:
+            weights = weights / weights.sum(-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        for e in chosen.unique().tolist():
+            rows, slot = (chosen == e).nonzero(as_tuple=True)
+            out.index_add_(0, rows, self.experts[e](x[rows]) * weights[rows, slot, None])
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -55,7 +89,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = SparseMoE(cfg) if layer in cfg.moe_layers else MLP(cfg)
 
     def forward(self, h, residual, batch, kv, backend):
         """(h, residual) -> (h, residual): the residual add is fused into the next norm, so a
@@ -167,7 +201,8 @@ def native_stack(layers, final_norm, cfg: ModelConfig, dtype: torch.dtype, nativ
     whose input norm is not an RMSNorm (the EAGLE head's nn.Identity), or a `final_norm` of
     None, is passed as an empty weight: no norm."""
     mod = kernels.native() if native else None
-    if mod is None or cfg.mlp_bias or dtype not in FAST_DTYPES:
+    # (the stack's attention has no per-head q / k norm: a Qwen3 layer runs the Python path)
+    if mod is None or cfg.mlp_bias or cfg.qk_norm or cfg.moe_layers or dtype not in FAST_DTYPES:
         return None, 0
     linears = [m for layer in layers for m in layer.modules() if isinstance(m, Linear)]
     # linears that take every row count natively (no oneDNN bf16 here): the stack takes as many
