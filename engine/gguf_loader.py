@@ -1,8 +1,12 @@
-"""GGUF files of the llama architecture: config, tokenizer and dequantized weights.
+"""GGUF files of the llama, qwen3 and qwen3moe architectures: config, tokenizer and
+dequantized weights.
 
-Weights are dequantized at load with the `gguf` package. llama.cpp's converter permutes the rows
-of the Q and K projections from Hugging Face's rotate-half RoPE layout into its interleaved
-layout; `unpermute` undoes it so the weights fit this engine's (HF) RoPE.
+Weights are dequantized at load with the `gguf` package. For llama, llama.cpp's converter
+permutes the rows of the Q and K projections from Hugging Face's rotate-half RoPE layout into its
+interleaved layout; `unpermute` undoes it so the weights fit this engine's (HF) RoPE. qwen3 and
+qwen3moe run llama.cpp's rotate-half (NEOX) RoPE, so their rows are stored in HF's order and
+read as they are. A qwen3moe file stores each layer's experts as one 3D tensor per projection
+([experts, rows, columns]), read back as each expert's HF weight.
 """
 from __future__ import annotations
 
@@ -23,6 +27,16 @@ LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+ROUTER_NAMES = {"ffn_gate_inp": "mlp.gate"}
+EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+# GGUF architecture -> (HF architecture, the per-layer tensors its files hold)
+ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", LAYER_NAMES),
+    "qwen3": ("Qwen3ForCausalLM", {**LAYER_NAMES, **QK_NORM_NAMES}),
+    "qwen3moe": ("Qwen3MoeForCausalLM", {**LAYER_NAMES, **QK_NORM_NAMES, **ROUTER_NAMES, **EXPERT_NAMES}),
+}
+EXPERT_GATING_SOFTMAX = 1  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
 
 
 def _reader(path: str):
@@ -41,34 +55,46 @@ def _field(reader, key: str, default=None):
 def gguf_config(reader, path: str) -> dict:
     """An HF-style config dict from GGUF metadata."""
     arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise UnsupportedModel(f"{path}: GGUF architecture {arch!r} is not supported (only 'llama')")
-    p = "llama."
+    if arch not in ARCHITECTURES:
+        raise UnsupportedModel(f"{path}: GGUF architecture {arch!r} is not supported "
+                               f"(supported: {', '.join(repr(a) for a in ARCHITECTURES)})")
+    hf_arch, layer_names = ARCHITECTURES[arch]
+    p = arch + "."
+    moe = arch == "qwen3moe"
     heads = _field(reader, p + "attention.head_count")
     hidden = _field(reader, p + "embedding_length")
-    for key, v in (("attention.head_count", heads), ("embedding_length", hidden),
-                   ("block_count", _field(reader, p + "block_count")),
-                   ("feed_forward_length", _field(reader, p + "feed_forward_length"))):
+    required = [("attention.head_count", heads), ("embedding_length", hidden),
+                ("block_count", _field(reader, p + "block_count"))]
+    required += [(k, _field(reader, p + k)) for k in
+                 (("expert_count", "expert_used_count", "expert_feed_forward_length") if moe else ("feed_forward_length",))]
+    for key, v in required:
         if v is None:  # named here, not a traceback further on
-            raise UnsupportedModel(f"{path}: GGUF metadata lacks llama.{key}")
-    if _field(reader, p + "expert_count"):
-        raise UnsupportedModel(f"{path}: mixture-of-experts GGUF models are not supported")
+            raise UnsupportedModel(f"{path}: GGUF metadata lacks {p}{key}")
+    if not moe and _field(reader, p + "expert_count"):
+        raise UnsupportedModel(f"{path}: mixture-of-experts GGUF models of architecture {arch!r} are not supported")
+    for key in ("expert_shared_count", "expert_group_count"):
+        if _field(reader, p + key):
+            raise UnsupportedModel(f"{path}: GGUF metadata {p}{key} (shared or grouped experts) is not supported")
+    gating = _field(reader, p + "expert_gating_func")
+    if gating is not None and gating != EXPERT_GATING_SOFTMAX:
+        raise UnsupportedModel(f"{path}: GGUF metadata {p}expert_gating_func {gating} is not supported (only softmax)")
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = _field(reader, p + "vocab_size") or (len(tokens.data) if tokens is not None else None)
     if vocab is None:
-        raise UnsupportedModel(f"{path}: GGUF metadata gives no vocabulary size (llama.vocab_size or tokenizer.ggml.tokens)")
+        raise UnsupportedModel(f"{path}: GGUF metadata gives no vocabulary size ({p}vocab_size or tokenizer.ggml.tokens)")
     names = {t.name for t in reader.tensors}
     for t in reader.tensors:  # every tensor is one this loader reads (an unknown one is an error)
         base, _, _ = t.name.rpartition(".")
         parts = base.split(".")
-        known = (parts[0] == "blk" and len(parts) == 3 and parts[2] in LAYER_NAMES) or base in TOP_NAMES \
-            or t.name == "rope_freqs.weight"
+        known = (parts[0] == "blk" and len(parts) == 3 and parts[2] in layer_names) or base in TOP_NAMES \
+            or (t.name == "rope_freqs.weight" and arch == "llama")
         if not known:
-            raise UnsupportedModel(f"{path}: GGUF tensor {t.name!r} is not one a llama model has")
+            raise UnsupportedModel(f"{path}: GGUF tensor {t.name!r} is not one a {arch} model has")
+    layers = _field(reader, p + "block_count")
     cfg = {
-        "architectures": ["LlamaForCausalLM"], "vocab_size": vocab, "hidden_size": hidden,
-        "intermediate_size": _field(reader, p + "feed_forward_length"),
-        "num_hidden_layers": _field(reader, p + "block_count"), "num_attention_heads": heads,
+        "architectures": [hf_arch], "vocab_size": vocab, "hidden_size": hidden,
+        "intermediate_size": _field(reader, p + "feed_forward_length") or _field(reader, p + "expert_feed_forward_length"),
+        "num_hidden_layers": layers, "num_attention_heads": heads,
         "num_key_value_heads": _field(reader, p + "attention.head_count_kv", heads),
         "head_dim": _field(reader, p + "rope.dimension_count", hidden // heads),
         "rms_norm_eps": _field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5),
@@ -81,8 +107,19 @@ def gguf_config(reader, path: str) -> dict:
         or None,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
     }
-    rotary = _field(reader, p + "rope.dimension_count")
+    # a layer without a router is a dense one (HF's mlp_only_layers); llama.cpp's qwen3moe always
+    # renormalises the chosen experts' weights
+    if moe:
+        cfg.update(num_experts=_field(reader, p + "expert_count"), num_experts_per_tok=_field(reader, p + "expert_used_count"),
+                   moe_intermediate_size=_field(reader, p + "expert_feed_forward_length"),
+                   norm_topk_prob=True, decoder_sparse_step=1,
+                   mlp_only_layers=[i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names])
+    value_len = _field(reader, p + "attention.value_length")
     key_len = _field(reader, p + "attention.key_length")
+    if value_len is not None and value_len != (key_len if key_len is not None else cfg["head_dim"]):
+        raise UnsupportedModel(f"{path}: GGUF value heads of {value_len} wide, key heads of "
+                               f"{key_len or cfg['head_dim']}, are not supported")
+    rotary = _field(reader, p + "rope.dimension_count")
     if rotary is not None and key_len is not None and rotary != key_len:
         raise UnsupportedModel(f"{path}: partial rotary embeddings (rope.dimension_count {rotary} of a "
                                f"{key_len}-wide head) are not supported")
@@ -110,11 +147,14 @@ def unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 def gguf_tensors(reader, cfg: dict, path: str = "GGUF") -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, float32 tensor) for every weight in the file."""
     from gguf.quants import dequantize
+    permuted = cfg["architectures"] == ["LlamaForCausalLM"]  # (module doc)
     for t in reader.tensors:
         base, _, suffix = t.name.rpartition(".")
         parts = base.split(".")
         if parts[0] == "blk":
-            name = f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.{suffix}"
+            kind = parts[2]
+            name = None if kind in EXPERT_NAMES else \
+                f"model.layers.{parts[1]}.{({**LAYER_NAMES, **QK_NORM_NAMES, **ROUTER_NAMES})[kind]}.{suffix}"
         elif base in TOP_NAMES:
             name = f"{TOP_NAMES[base]}.{suffix}"
         else:
@@ -124,9 +164,16 @@ def gguf_tensors(reader, cfg: dict, path: str = "GGUF") -> Iterator[tuple[str, t
         except NotImplementedError:  # a type the gguf package cannot unpack: named, not its traceback
             raise UnsupportedModel(f"{path}: GGUF tensor {t.name!r} has type {t.tensor_type.name}, which the gguf "
                                    f"package cannot dequantize") from None
-        if name.endswith("q_proj.weight"):
+        if name is None:  # [experts, rows, columns]: one HF weight per expert
+            if w.dim() != 3 or w.shape[0] != cfg["num_experts"]:
+                raise UnsupportedModel(f"{path}: GGUF tensor {t.name!r} has shape {tuple(w.shape)}, not "
+                                       f"[{cfg['num_experts']} experts, rows, columns]")
+            for e in range(w.shape[0]):
+                yield f"model.layers.{parts[1]}.mlp.experts.{e}.{EXPERT_NAMES[kind]}.{suffix}", w[e]
+            continue
+        if permuted and name.endswith("q_proj.weight"):
             w = unpermute(w, cfg["num_attention_heads"])
-        elif name.endswith("k_proj.weight"):
+        elif permuted and name.endswith("k_proj.weight"):
             w = unpermute(w, cfg["num_key_value_heads"])
         yield name, w
 

@@ -1,4 +1,5 @@
-"""Load a model: a Hugging Face directory (safetensors, sharded or not) or a llama GGUF file.
+"""Load a model: a Hugging Face directory (safetensors, sharded or not) or a GGUF file (llama,
+qwen3, qwen3moe).
 
 Both sources yield (HF parameter name, tensor) pairs; `load_weights` fuses q/k/v and gate/up
 into this engine's layout and checks that every parameter was filled exactly once.
@@ -17,6 +18,7 @@ from eagle_serve.engine.default_model import MODEL_NAME, cache_dir, default_mode
 from eagle_serve.engine.gguf_loader import gguf_tokenizer_dir, load_gguf
 from eagle_serve.engine.model_config import ModelConfig
 from eagle_serve.engine.model_files import ModelLoadError, read_json
+from eagle_serve.engine.models.gemma3 import Gemma3ForCausalLM
 from eagle_serve.engine.models.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
@@ -52,7 +54,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
         tok_dir = None if skip_tokenizer else gguf_tokenizer_dir(path, cache_dir())
     else:
         raise ModelLoadError(f"{path}: not a directory and not a .gguf file")
-    net = LlamaForCausalLM(cfg)
+    net = model_class(cfg)(cfg)
     load_weights(net, tensors, dtype)
     net.to(device)
     tokenizer = None
@@ -64,6 +66,11 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     if model in (None, "", "default"):
         name = MODEL_NAME
     return LoadedModel(net.eval(), cfg, tokenizer, eos, name, path)
+
+
+def model_class(cfg: ModelConfig) -> type[LlamaForCausalLM]:
+    """The decoder class for a config: Gemma 3's, else the Llama family's."""
+    return Gemma3ForCausalLM if cfg.is_gemma3 else LlamaForCausalLM
 
 
 def _hf_source(path: str):

@@ -29,9 +29,12 @@ def build_tokenizer(vocab_size: int):
 def write_tiny_model(path: str, arch: str = "llama", *, tie: bool = False, kv_heads: int = 2,
                      rope_scaling: dict | None = None, vocab: int = 320, layers: int = 2,
                      dtype=torch.float64, seed: int = 0, std: float = 0.15, tokenizer: bool = True,
-                     intermediate: int = 128):
+                     intermediate: int = 128, softcap: float | None = None):
     """Save a random HF model (LlamaForCausalLM, Qwen2ForCausalLM, or Qwen3ForCausalLM /
-    Qwen3MoeForCausalLM, whose heads are 32 wide: q and k projections wider than the hidden size)
+    Qwen3MoeForCausalLM, whose heads are 32 wide: q and k projections wider than the hidden size;
+    or Gemma3ForCausalLM, arch "gemma3": 32-wide heads, windows of 8 keys on every layer but
+    each third from the second, other RoPE bases on those and the global layers, linear RoPE
+    scaling on the global ones with `rope_scaling`, final logits soft-capped at `softcap`)
     + tokenizer to `path`."""
     from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
                               Qwen3MoeConfig, Qwen3MoeForCausalLM)
@@ -40,7 +43,15 @@ def write_tiny_model(path: str, arch: str = "llama", *, tie: bool = False, kv_he
                   num_key_value_heads=kv_heads, vocab_size=vocab, max_position_embeddings=512,
                   tie_word_embeddings=tie, initializer_range=std, eos_token_id=2, bos_token_id=1,
                   rms_norm_eps=1e-6)
-    if arch == "qwen2":
+    if arch == "gemma3":
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+        kinds = ["full_attention" if i % 3 == 1 else "sliding_attention" for i in range(layers)]
+        rope = {"full_attention": {"rope_type": "default", "rope_theta": 10000.0, **(rope_scaling or {})},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}}
+        cfg, cls = Gemma3TextConfig(**common, head_dim=32, query_pre_attn_scalar=24, sliding_window=8,
+                                    layer_types=kinds, rope_parameters=rope, final_logit_softcapping=softcap,
+                                    pad_token_id=0), Gemma3ForCausalLM
+    elif arch == "qwen2":
         cfg, cls = Qwen2Config(**common, rope_theta=10000.0), Qwen2ForCausalLM
     elif arch == "qwen3":
         cfg, cls = Qwen3Config(**common, rope_theta=10000.0, head_dim=32), Qwen3ForCausalLM

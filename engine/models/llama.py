@@ -1,5 +1,5 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3 and Qwen3-MoE, SmolLM2) over a paged KV
-cache.
+cache (Gemma 3: engine/models/gemma3.py, on this class's interface).
 
 Follows Hugging Face's LlamaForCausalLM numerically and keeps its parameter names, except that
 q/k/v and gate/up are fused (`qkv_proj`, `gate_up_proj`); the loader concatenates them.
@@ -201,8 +201,10 @@ def native_stack(layers, final_norm, cfg: ModelConfig, dtype: torch.dtype, nativ
     whose input norm is not an RMSNorm (the EAGLE head's nn.Identity), or a `final_norm` of
     None, is passed as an empty weight: no norm."""
     mod = kernels.native() if native else None
-    # (the stack's attention has no per-head q / k norm: a Qwen3 layer runs the Python path)
-    if mod is None or cfg.mlp_bias or cfg.qk_norm or cfg.moe_layers or dtype not in FAST_DTYPES:
+    # (the stack's attention has no per-head q / k norm and no windows, its MLP is SiLU's: Qwen3
+    # and Gemma 3 layers run the Python path)
+    if mod is None or cfg.mlp_bias or cfg.qk_norm or cfg.moe_layers or cfg.window_layers or cfg.hidden_act != "silu" \
+            or dtype not in FAST_DTYPES:
         return None, 0
     linears = [m for layer in layers for m in layer.modules() if isinstance(m, Linear)]
     # linears that take every row count natively (no oneDNN bf16 here): the stack takes as many
