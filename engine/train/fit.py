@@ -55,7 +55,10 @@ def fit(cfg: TrainConfig, loaded, ids, masks, feats, offsets, train_idx, held_id
     mcfg = loaded.config
     train_key = train_key or cfg.train_key()
     torch.manual_seed(cfg.seed)
-    embed = loaded.model.model.embed_tokens.weight.detach().float()
+    # each token's embedding as the drafter reads it (the target's embedding module: Gemma 3 scales it)
+    with torch.no_grad():
+        table = loaded.model.model.embed_tokens
+        embed = table(torch.arange(loaded.config.vocab_size, device=table.weight.device)).detach().float()
     lm = loaded.model.lm_head.weight.detach().float()
     vocab = lm.shape[0]
     train_tok = torch.cat([torch.arange(int(offsets[i]), int(offsets[i + 1])) for i in train_idx])
@@ -136,7 +139,7 @@ def fit(cfg: TrainConfig, loaded, ids, masks, feats, offsets, train_idx, held_id
 
     def evaluate():
         return evaluate_head(head, losses, held_idx, ids, masks, feats, offsets, cfg.batch_tokens, cfg.ttt_steps,
-                             cfg.ttt_decay, cfg.p_weight)
+                             cfg.ttt_decay, 1.0 if eagle3 else cfg.p_weight)
 
     if state["step"] == 0 and not state["history"]:
         ev = evaluate()
