@@ -17,6 +17,7 @@ from eagle_serve.engine.speculative.tree import DraftTree, chain, from_paths, pr
 from eagle_serve.engine.structured import GrammarError, GrammarState, allocate
 from eagle_serve.server.llm import LLM
 from tests.spec_helpers import KW, OracleDrafter, write_eagle_head
+from tests.test_spec import SPECS
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 5}},
           "required": ["a", "b"], "additionalProperties": False}
@@ -81,14 +82,6 @@ def test_plain_outputs_follow_every_grammar(plain):
     # the short grammars end within the budget, with the model's EOS as the only choice left
     assert all(o.finish_reason == "stop" for o in outs[2:5]), [o.text for o in outs[2:5]]
     assert outs[-1].finish_reason == "length"  # the free request next to them is untouched
-
-
-SPECS = [
-    ("eagle2-small", SpecConfig("eagle2", total_tokens=6, depth=3, top_k=2)),
-    ("eagle2-wide", SpecConfig("eagle2", total_tokens=20, depth=5, top_k=4)),
-    ("eagle1-default", SpecConfig("eagle1")),
-    ("ngram", SpecConfig("ngram", total_tokens=6, depth=5)),
-]
 
 
 @pytest.mark.parametrize("name, spec", SPECS, ids=[s[0] for s in SPECS])

@@ -20,7 +20,7 @@ from torch import nn
 
 from eagle_serve.engine.layers import RotaryEmbedding
 from eagle_serve.engine.model_config import ModelConfig
-from eagle_serve.engine.train.head import TrainHead, _rope
+from eagle_serve.engine.train.head import TrainHead
 
 # published EAGLE-3 names of the trainable modules (SpecForge's, the serving loader's)
 NAMES = {"fc": "fc", "q_proj": "midlayer.self_attn.q_proj", "k_proj": "midlayer.self_attn.k_proj",
@@ -74,16 +74,8 @@ class Eagle3TrainHead(TrainHead):
         return x * torch.rsqrt(x.to(acc).pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps).to(x.dtype) * weight
 
     def _qkv(self, embeds: torch.Tensor, x: torch.Tensor):
-        cfg = self.cfg
-        B, T, _ = embeds.shape
         u = torch.cat([self._norm(embeds, self.input_norm), self._norm(x, self.hidden_norm)], dim=-1)
-        cos, sin = self.rotary.lookup(torch.arange(T, device=x.device), x.dtype)
-        q = _rope(self.q_proj(u).view(B, T, cfg.num_heads, cfg.head_dim), cos, sin)
-        k = _rope(self.k_proj(u).view(B, T, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-        v = self.v_proj(u).view(B, T, cfg.num_kv_heads, cfg.head_dim)
-        rep = cfg.num_heads // cfg.num_kv_heads
-        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-        return x, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        return (x, *self._heads(u))
 
     def _out(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         B, T = x.shape[:2]

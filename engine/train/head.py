@@ -99,16 +99,21 @@ class TrainHead(nn.Module):
 
     def _qkv(self, embeds: torch.Tensor, feats: torch.Tensor):
         """fc input, then rotated q and k and v as [B, H, T, D] (kv heads repeated for GQA)."""
-        cfg = self.cfg
-        B, T, _ = embeds.shape
         x = self.fc(torch.cat([embeds, feats], dim=-1))
-        cos, sin = self.rotary.lookup(torch.arange(T, device=x.device), x.dtype)
-        q = _rope(self.q_proj(x).view(B, T, cfg.num_heads, cfg.head_dim), cos, sin)
-        k = _rope(self.k_proj(x).view(B, T, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-        v = self.v_proj(x).view(B, T, cfg.num_kv_heads, cfg.head_dim)
+        return (x, *self._heads(x))
+
+    def _heads(self, u: torch.Tensor):
+        """Rotated q and k and v of the attention input u [B, T, .] as [B, H, T, D] (kv heads
+        repeated for GQA)."""
+        cfg = self.cfg
+        B, T, _ = u.shape
+        cos, sin = self.rotary.lookup(torch.arange(T, device=u.device), u.dtype)
+        q = _rope(self.q_proj(u).view(B, T, cfg.num_heads, cfg.head_dim), cos, sin)
+        k = _rope(self.k_proj(u).view(B, T, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        v = self.v_proj(u).view(B, T, cfg.num_kv_heads, cfg.head_dim)
         rep = cfg.num_heads // cfg.num_kv_heads
         k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-        return x, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def _out(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         """a: attention output [B, H, T, D] -> the layer's output."""
