@@ -26,6 +26,7 @@ MAX_SPEC_CHARS = 65_536  # a schema, regex, grammar or the choices together, as 
 MAX_SCHEMA_DEPTH = 32  # nesting of a JSON Schema's objects and arrays
 MAX_CHOICES = 1024
 CACHE_SIZE = 256  # compiled grammars kept (least recently used dropped first)
+MAX_WHITESPACE = 16  # a newline and indentation seven levels deep at two spaces
 
 # JSON Schema keywords the compiler accepts and does not enforce: a schema using them is refused,
 # never served with an output that may not validate
@@ -113,7 +114,10 @@ class Grammars:
     def _compile(self, spec: StructuredOutputs):
         c = self.compiler
         if spec.json is not None:
-            return c.compile_json_schema(spec.json, any_whitespace=True, strict_mode=True)
+            # whitespace between tokens, as JSON allows, up to MAX_WHITESPACE characters a gap: pretty
+            # printing fits, a model stuck in newlines (small ones are) does not run to max_tokens
+            return c.compile_json_schema(spec.json, any_whitespace=True, strict_mode=True,
+                                         max_whitespace_cnt=MAX_WHITESPACE)
         if spec.json_object:
             return c.compile_builtin_json_grammar()
         if spec.regex is not None:

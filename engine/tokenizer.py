@@ -129,7 +129,10 @@ class Tokenizer:
             self._byte_level = "ByteLevel" in json.dumps(decoder)
         return self._byte_level
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """The template rendered as Hugging Face renders it; `tools` (OpenAI's
+        [{"type": "function", "function": {...}}, ...]) are passed as the template's `tools`."""
         if not self.chat_template:
             if self.template_names:  # as transformers: a list of templates needs one named "default"
                 raise TemplateError(f"this model has several chat templates ({', '.join(self.template_names)}) and "
@@ -140,9 +143,9 @@ class Tokenizer:
         except jinja2.TemplateError as e:
             raise TemplateError(f"chat template does not compile: {e}") from e
         try:
-            # as HF renders: tools and documents none (undefined, `tools is not none` held), the
-            # special tokens the tokenizer has
-            return template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
+            # as HF renders: tools as given (none without), documents none, the special tokens
+            # the tokenizer has
+            return template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                    documents=None, **self.special_tokens,
                                    bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         except TemplateError:
@@ -150,8 +153,9 @@ class Tokenizer:
         except Exception as e:  # noqa: BLE001 - a template's own failure (jinja's, or a TypeError inside it) is the request's 400
             raise TemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools), add_special_tokens=False)
 
 
 _BYTE_DECODER: dict[str, int] = {}

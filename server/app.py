@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from eagle_serve.engine.tokenizer import TemplateError
 from eagle_serve.scheduler.async_engine import AsyncEngine
+from eagle_serve.server.chat_templates import check_template_tools
 from eagle_serve.server.metrics import Metrics
 from eagle_serve.server.openapi import openapi_schema
 from eagle_serve.server.protocol import (ApiError, ChatRequest, CompletionRequest, chat_inputs, check_common,
@@ -23,6 +24,7 @@ from eagle_serve.server.protocol import (ApiError, ChatRequest, CompletionReques
 from eagle_serve.server.requests import collect, parse_request, submit
 from eagle_serve.server.responses import chat_response, completion_response
 from eagle_serve.server.streaming import SHUT_DOWN, chat_stream, completion_stream, stream_response
+from eagle_serve.server.structured import COMPILE_TIMEOUT, TOOL_CALL_PARSERS, GrammarCompiler, plan
 
 log = logging.getLogger("eagle_serve")
 VERSION = "0.1.0"
@@ -32,12 +34,20 @@ class ServerState:
     def __init__(self, llm, served_model_name: str | None = None, api_key: str | None = None,
                  max_waiting: int = 256, max_body_bytes: int = 4 << 20, stall_seconds: float = 120.0,
                  request_timeout: float | None = None, allowed_origins: list[str] | None = None,
-                 shutdown_timeout: float = 30.0):
+                 shutdown_timeout: float = 30.0, tool_call_parser: str | None = None,
+                 grammar_compile_timeout: float = COMPILE_TIMEOUT):
         """request_timeout: seconds a request may run before it is aborted (None: no limit).
         allowed_origins: CORS origins (None or empty: no CORS headers at all).
-        shutdown_timeout: on SIGTERM, seconds running streams may take to finish."""
+        shutdown_timeout: on SIGTERM, seconds running streams may take to finish.
+        tool_call_parser: how tool_choice "auto" reads calls from an answer (hermes,
+        llama3_json; None: tool_choice "auto" is refused). grammar_compile_timeout: seconds a
+        request's grammar may take to compile (400 past it)."""
         if request_timeout is not None and not request_timeout > 0:
             raise ValueError(f"request_timeout must be > 0 seconds, got {request_timeout}")
+        if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                             f"got {tool_call_parser!r}")
+        self.tool_call_parser = tool_call_parser
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
         self.llm = llm
@@ -63,6 +73,7 @@ class ServerState:
                                                "prefix_cache_queries": alloc.prefix_queried_tokens,
                                                "prefix_cache_hits": alloc.prefix_hit_tokens})
         self.engine = AsyncEngine(llm.loop, on_step=self.metrics.on_step, on_finish=self.metrics.on_finish)
+        self.grammars = GrammarCompiler(llm, self.metrics, grammar_compile_timeout)
         self.created = int(time.time())
 
     def begin_shutdown(self) -> None:
@@ -114,6 +125,7 @@ def create_app(state: ServerState) -> FastAPI:
             yield
         finally:
             await state.engine.stop()
+            state.grammars.close()
 
     app = FastAPI(title="eagle-serve", version=VERSION, lifespan=lifespan)
     app.state.server = state
@@ -171,18 +183,22 @@ def create_app(state: ServerState) -> FastAPI:
         messages, max_tokens, top = chat_inputs(req)
         if state.tokenizer is None:
             raise ApiError(400, "this server has no tokenizer; use /v1/completions with token ids")
+        check_template_tools(state.tokenizer.chat_template, req.tools, messages)
+        p = plan(req, state.tool_call_parser)
         try:  # off the event loop, so that a long prompt's tokenization does not stall streams and /health
-            prompt = await asyncio.to_thread(state.tokenizer.encode_chat, messages)
+            prompt = await asyncio.to_thread(state.tokenizer.encode_chat, messages, True, p.tools)
         except TemplateError as e:
             raise ApiError(400, str(e), "messages") from None
+        await state.grammars.compile(p)
         ctx = state.llm.max_model_len
         if max_tokens is None:
             max_tokens = ctx - len(prompt)
             if max_tokens < 1:
                 raise ApiError(400, f"this model's maximum context length is {ctx} tokens; the messages have "
                                     f"{len(prompt)} tokens", "messages", "context_length_exceeded")
-        params = [sampling_params(req, max_tokens, top, i, state.llm.generation_defaults) for i in range(n)]
+        params = [sampling_params(req, max_tokens, top, i, state.llm.generation_defaults, p.spec) for i in range(n)]
         handle = submit(state, [prompt] * n, params, req.user)
+        handle.plan = p
         if req.stream:
             return stream_response(state, chat_stream(state, handle, req.stream_options), handle)
         outs = await collect(request, state, handle)
@@ -195,8 +211,11 @@ def create_app(state: ServerState) -> FastAPI:
         if state.tokenizer is None and (isinstance(req.prompt, str) or isinstance(req.prompt[0], str)):
             raise ApiError(400, "this server has no tokenizer; send token ids", "prompt")
         prompts = await asyncio.to_thread(completion_prompts, req, state.tokenizer)  # (off the event loop)
+        structured = plan(req)
+        await state.grammars.compile(structured)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
-        params = [sampling_params(req, max_tokens, req.logprobs, i, state.llm.generation_defaults) for i in range(n)]
+        params = [sampling_params(req, max_tokens, req.logprobs, i, state.llm.generation_defaults, structured.spec)
+                  for i in range(n)]
         handle = submit(state, [p for p in prompts for _ in range(n)], params * len(prompts), req.user)
         if req.echo:
             handle.echo = [t for t in echo_texts(req, prompts, state.tokenizer) for _ in range(n)]

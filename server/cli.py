@@ -10,6 +10,8 @@ import time
 from eagle_serve.engine.config import ATTENTIONS, DEVICES, DRAFT_QUANTIZATIONS, DTYPES, env_flag
 from eagle_serve.engine.speculative.config import METHOD_DEFAULTS, METHODS
 from eagle_serve.server.generation_config import DEFAULT_MODEL
+from eagle_serve.server.structured import COMPILE_TIMEOUT
+from eagle_serve.server.tool_parsers import TOOL_CALL_PARSERS
 
 
 SECRET_FLAGS = {"api_key"}  # flags whose EAGLE_SERVE_* value --help does not print
@@ -147,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(g, batch=False)
     g.add_argument("--prompt", required=True, help="the prompt text")
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    g.add_argument("--chat-template", default=None, metavar="{chatml_tools,FILE}",
+                   help="with --chat: a Jinja chat template file, or a shipped template's name, in place of the "
+                        "model's own (default: the model's own)")
     g.add_argument("--max-tokens", type=int, default=128, help="most tokens generated")
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0: greedy")
     g.add_argument("--top-p", type=float, default=1.0,
@@ -183,6 +188,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated CORS origins (default: CORS off, no Access-Control headers)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM: stop accepting, let running requests finish for up to this many seconds, exit 0")
+    s.add_argument("--chat-template", default=None, metavar="{chatml_tools,FILE}",
+                   help="a Jinja chat template file, or a shipped template's name, in place of the model's own "
+                        "(chatml_tools: ChatML with Hermes-style tool calls; requests with tools need a template "
+                        "that renders them) (default: the model's own)")
+    s.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                   help="how tool_choice \"auto\" reads tool calls from an answer: hermes (<tool_call> blocks: "
+                        "Hermes, Qwen, --chat-template chatml_tools) or llama3_json (Llama 3.x JSON calls) "
+                        "(default: none: tool_choice \"auto\" with tools is refused)")
+    s.add_argument("--grammar-compile-timeout", type=float, default=COMPILE_TIMEOUT,
+                   help="seconds a request's structured-output grammar may take to compile (a 400 past it)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="the server's log level (info shows the start-up phases)")
     _env_defaults(s)
@@ -209,9 +224,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--init", default=None,
                    help="start from this head directory (its weights, shapes and draft vocabulary) "
                         "(default: a new head)")
-    t.add_argument("--ttt-steps", type=int, default=1,
-                   help="training-time test: also train the head on its own predictions for this many steps")
-    t.add_argument("--p-weight", type=float, default=0.1, help="weight of the token-distribution loss")
+    t.add_argument("--arch", default="eagle2", choices=["eagle2", "eagle3"],
+                   help="eagle2: an EAGLE-1/2 head (EAGLE's layout); eagle3: an EAGLE-3 head over the target's "
+                        "low / middle / high layers (--aux-layers to choose them), written in SpecForge's layout")
+    t.add_argument("--ttt-steps", type=int, default=None,
+                   help="training-time test: train the head on its own predictions for this many steps "
+                        "(default: 1 for eagle2, 7 for eagle3)")
+    t.add_argument("--p-weight", type=float, default=None,
+                   help="weight of the token-distribution loss against the feature loss, eagle2 only: an EAGLE-3 "
+                        "head has no feature loss (default: 0.1)")
     t.add_argument("--aux-layers", default="", type=_layer_list,
                    help="fused features: comma-separated target layers (0-based) whose outputs the head also "
                         "reads, e.g. 2,15 (EAGLE-3's low and middle layers) (default: empty, the final feature only)")
@@ -297,11 +318,13 @@ def cmd_serve(args) -> int:
     draft = resolve_draft(args)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_cache_tokens=args.kv_cache_tokens,
               max_model_len=args.max_model_len, block_size=args.block_size, draft=draft,
-              spec=spec_config(args, draft), generation_config=args.generation_config, **engine_kwargs(args))
+              spec=spec_config(args, draft), generation_config=args.generation_config, chat_template=args.chat_template,
+              **engine_kwargs(args))
     origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()] if args.allowed_origins else None
     state = ServerState(llm, args.served_model_name, args.api_key, args.max_waiting, max_body_bytes=args.max_request_bytes,
                         request_timeout=args.request_timeout, allowed_origins=origins,
-                        shutdown_timeout=args.shutdown_timeout)
+                        shutdown_timeout=args.shutdown_timeout, tool_call_parser=args.tool_call_parser,
+                        grammar_compile_timeout=args.grammar_compile_timeout)
     print(f"eagle-serve: {state.model_name} (spec {llm.engine_config.spec.method}"
           f"{', head ' + draft if draft else ''}) on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     if llm.runner.device.type == "cpu":
@@ -365,7 +388,12 @@ def cmd_train_draft(args) -> int:
                       regenerate=args.regenerate, regen_max_tokens=args.regen_max_tokens,
                       heldout_fraction=args.heldout_fraction, snapshots=args.snapshots, seed=args.seed,
                       dtype=args.dtype, progress=not args.no_progress, init=args.init,
-                      ttt_steps=args.ttt_steps, p_weight=args.p_weight, aux_layers=args.aux_layers)
+                      ttt_steps=args.ttt_steps if args.ttt_steps is not None else 7 if args.arch == "eagle3" else 1,
+                      p_weight=0.1 if args.p_weight is None else args.p_weight, aux_layers=args.aux_layers,
+                      arch=args.arch)
+    if args.arch == "eagle3" and args.p_weight is not None:
+        raise ValueError("--p-weight weighs the token loss against the feature loss, which an EAGLE-3 head does "
+                        "not have: leave it out with --arch eagle3")
     from eagle_serve.engine.train import fit
     from eagle_serve.scheduler.worker import engine_executor
     # on the engine thread, where regeneration's LLM runs too: one thread does all torch work
@@ -408,11 +436,13 @@ def cmd_generate(args) -> int:
                             top_k=args.sampling_top_k, seed=args.seed, ignore_eos=args.ignore_eos)
     if args.max_num_seqs is not None:
         raise ValueError("--max-num-seqs does not apply to generate: it runs one prompt (serve takes it)")
+    if args.chat_template is not None and not args.chat:
+        raise ValueError("--chat-template applies with --chat")
     draft = resolve_draft(args)
     kwargs = {**engine_kwargs(args), "max_num_seqs": 1}  # one prompt: profile the tree budget for one sequence
     llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_cache_tokens=args.kv_cache_tokens,
               max_model_len=args.max_model_len, block_size=args.block_size, draft=draft,
-              spec=spec_config(args, draft), **kwargs)
+              spec=spec_config(args, draft), chat_template=args.chat_template, **kwargs)
     if args.chat:
         prompt = llm.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
     else:

@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -29,13 +30,20 @@ log = logging.getLogger("eagle_serve")
 
 class LLM:
     def __init__(self, model: str | None = None, *, generation_config: str = "auto",
-                 budget_overrides: dict | None = None, profile_context: int | None = None, **engine_kwargs):
+                 budget_overrides: dict | None = None, profile_context: int | None = None,
+                 chat_template: str | None = None, **engine_kwargs):
         """Built on the process's engine thread (scheduler.worker), where its steps run too.
         `generation_config`: where sampling defaults come from, as vLLM's (auto: the model's
         generation_config.json; vllm: neutral; or a path), see server/generation_config.py.
         `budget_overrides`: `BudgetConfig` fields that differ from the served defaults;
         `profile_context`: committed tokens per sequence in the start-up cost profile (None: the
-        profile's default). Both only apply where the tree budget runs."""
+        profile's default). Both only apply where the tree budget runs. `chat_template`: a template
+        file or a shipped template's name (`chatml_tools`) that replaces the model's chat template
+        (server/chat_templates.py)."""
+        from eagle_serve.server.chat_templates import load_chat_template
+        if chat_template is not None and engine_kwargs.get("skip_tokenizer"):
+            raise ValueError("chat_template needs a tokenizer (this LLM is built with skip_tokenizer=True)")
+        self._chat_template = None if chat_template is None else load_chat_template(chat_template)
         self.engine_config = EngineConfig(model=model, **engine_kwargs)
         self.generation_defaults = load_defaults(generation_config, model or "", model in (None, "", "default"))
         self._budget_overrides = dict(budget_overrides or {})
@@ -59,6 +67,9 @@ class LLM:
         log.info("start-up: model loaded in %.1f s", time.perf_counter() - start)
         loaded = self.runner.loaded
         self.tokenizer = loaded.tokenizer
+        if self._chat_template is not None and self.tokenizer is not None:
+            # a copy: the loaded tokenizer may be shared, and keeps the model's own template
+            self.tokenizer = dataclasses.replace(self.tokenizer, chat_template=self._chat_template, template_names=())
         self.model_name = loaded.name
         c = self.engine_config
         self.allocator = BlockAllocator(self.runner.num_blocks, c.block_size, c.enable_prefix_caching)
@@ -182,6 +193,8 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         if not all(isinstance(p, SamplingParams) for p in params):
             raise ValueError("sampling params must be SamplingParams")
+        for p in {p.structured for p in params} - {None}:  # compiled here: a bad grammar is this call's ValueError
+            self.runner.grammars.get(p)
         encoded = [self.encode(p) for p in prompts]
         cancel = threading.Event()
         try:
@@ -216,17 +229,28 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              params: SamplingParams | Seq[SamplingParams] | None = None, *,
-             sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (a list of messages) or several (a
         list of such lists), then generate. A message is {"role", "content"}, its content a
         string or a list of text parts ({"type": "text", "text": ...}, joined by newlines, as the
-        server joins them)."""
+        server joins them); assistant messages may carry OpenAI's tool_calls and tool messages
+        a tool_call_id. `tools`: OpenAI's tool list, passed to the template (which must render
+        it: see `chat_template`)."""
         if self.tokenizer is None:
             raise ValueError("this LLM was built with skip_tokenizer=True; chat needs a tokenizer")
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a non-empty list of messages, or a list of such lists")
         conversations = [messages] if isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.encode_chat(_messages(c)) for c in conversations]
+        prompts = []
+        for c in conversations:
+            messages = _messages(c)
+            if tools is not None or any(m.get("tool_calls") for m in messages):
+                from eagle_serve.server.chat_templates import renders_tools
+                if not renders_tools(self.tokenizer.chat_template):
+                    raise ValueError("this model's chat template does not render tools or tool calls; build the "
+                                     "LLM with chat_template='chatml_tools' (ChatML models) or a template file")
+            prompts.append(self.tokenizer.encode_chat(messages, tools=tools))
         return self.generate(prompts, params, sampling_params=sampling_params)
 
 
@@ -234,13 +258,13 @@ def _messages(conversation) -> list[dict]:
     """One conversation's messages for the chat template, checked as the server checks them."""
     from pydantic import ValidationError
 
-    from eagle_serve.server.protocol import ChatMessage, template_message
+    from eagle_serve.server.protocol import message_adapter, template_message
     if not isinstance(conversation, (list, tuple)) or not conversation:
         raise ValueError(f"a conversation is a non-empty list of messages, got {conversation!r}")
     out = []
     for m in conversation:
         try:
-            out.append(template_message(ChatMessage.model_validate(m)))
+            out.append(template_message(message_adapter.validate_python(m)))
         except ValidationError as e:
             raise ValueError(f"invalid message {m!r}: {e.errors()[0]['msg']}") from None
     return out

@@ -15,6 +15,9 @@ LONG_LATENCY_BUCKETS = LATENCY_BUCKETS + (120.0, 240.0, 480.0, 960.0, 1920.0, 36
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 FINISH_REASONS = ("stop", "length", "abort", "error")
 MAX_DEPTH_LABELS = 16
+COMPILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tool_named", "tool_required")
+TOOL_READERS = ("named", "required", "hermes", "llama3_json")
 
 
 class _Totals:
@@ -67,6 +70,22 @@ class Metrics:
                                  registry=r)
         self.requests = Counter(p + "requests", "Finished requests, by finish reason (each of n choices counts as "
                                 "one)", ["finish_reason"], registry=r)
+        # structured output and tool calls (server/structured.py, server/tool_parsers.py)
+        self.structured_requests = Counter(p + "structured_output_requests", "Requests whose output follows a "
+                                           "grammar, by what asked for it", ["kind"], registry=r)
+        self.grammar_compile_seconds = Histogram(p + "grammar_compile_seconds", "Time to compile a request's "
+                                                 "grammar (cache misses)", buckets=COMPILE_BUCKETS, registry=r)
+        self.grammar_cache_hits = Counter(p + "grammar_cache_hits", "Request grammars found compiled in the cache",
+                                          registry=r)
+        self.tool_calls = Counter(p + "tool_calls_parsed", "Tool calls read from answers, by reader", ["parser"],
+                                  registry=r)
+        self.tool_call_failures = Counter(p + "tool_call_parse_failures", "Answers or tool-call blocks that did "
+                                          "not parse as calls (left as content), by reader", ["parser"], registry=r)
+        for kind in STRUCTURED_KINDS:
+            self.structured_requests.labels(kind)
+        for parser in TOOL_READERS:
+            self.tool_calls.labels(parser)
+            self.tool_call_failures.labels(parser)
         if totals is not None:
             r.register(_Totals(totals))
         Gauge(p + "requests_running", "Sequences running", registry=r).set_function(running)

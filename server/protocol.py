@@ -5,11 +5,12 @@ refused too (never accepted and ignored). Nulls and default values are always ac
 """
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, TypeAdapter
 
-from eagle_serve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from eagle_serve.engine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputs
 from eagle_serve.server.generation_config import GenerationDefaults
 
 
@@ -40,6 +41,7 @@ class TextPart(_Strict):
 
 MAX_N = 16
 MAX_STOP = 4
+MAX_TOOLS = 128
 
 # The ranges below are the server's real limits: they are validated here and published in the
 # OpenAPI schema (what clients and the fuzz tests read).
@@ -66,15 +68,112 @@ TokenId = _int(ge=0)
 TokenCount = _int(ge=1)
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 StopString = Annotated[str, StringConstraints(min_length=1)]
+NonEmpty = Annotated[str, StringConstraints(min_length=1)]
 # canonical: "01" and "1" would be one key; at most 10 digits (a longer key is past any vocabulary,
 # and int() refuses strings past 4300 digits)
 TokenIdKey = Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]{0,9})$")]
 
 
-class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart]  # required: no tool calls yet, so no message without content
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function and json_schema names
+
+
+class CalledFunction(_Strict):
+    name: str
+    arguments: str  # JSON text, as the model wrote it (OpenAI's shape)
+
+
+class MessageToolCall(_Strict):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
+class _Message(_Strict):
     name: None = None  # chat templates here have no place for it: refused (400), not dropped
+
+
+class SystemMessage(_Message):
+    role: Literal["system", "developer"]
+    content: str | list[TextPart]
+
+
+class UserMessage(_Message):
+    role: Literal["user"]
+    content: str | list[TextPart]
+
+
+class AssistantMessage(_Message):
+    role: Literal["assistant"]
+    content: str | list[TextPart] | None = None  # null (or left out): no text, e.g. beside tool calls
+    tool_calls: Annotated[list[MessageToolCall], Field(min_length=1)] | None = None
+    refusal: None = None  # what an OpenAI answer carries back in a transcript: null only (templates have no place)
+
+
+class ToolMessage(_Message):
+    role: Literal["tool"]
+    content: str | list[TextPart]
+    tool_call_id: str  # the call this is the result of
+
+
+# one shape per role (the OpenAPI schema says which fields each role takes)
+ChatMessage = Annotated[SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")]
+MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
+message_adapter = TypeAdapter(ChatMessage)
+
+
+class FunctionDef(_Strict):
+    name: Annotated[str, StringConstraints(pattern=FUNCTION_NAME)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema of the arguments object (none: no arguments)
+    strict: bool | None = None  # the arguments always follow the schema where a grammar enforces it
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ChosenFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: ChosenFunction
+
+
+class JsonSchemaFormat(_Strict):
+    name: Annotated[str, StringConstraints(pattern=FUNCTION_NAME)]
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # none: any JSON object
+    strict: bool | None = None  # the output always follows the schema (a grammar enforces it)
+
+
+class TextFormat(_Strict):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Strict):
+    type: Literal["json_object"]
+
+
+class JsonSchemaResponseFormat(_Strict):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+# OpenAI's response_format, one shape per type
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaResponseFormat, Field(discriminator="type")]
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+
+
+class StructuredOutputsField(_Strict):
+    """vLLM's `structured_outputs` request field: exactly one of these."""
+    json_: dict[str, Any] | NonEmpty | None = Field(None, alias="json")  # a JSON Schema, or its text
+    json_object: bool | None = None
+    regex: NonEmpty | None = None
+    choice: Annotated[list[NonEmpty], Field(min_length=1)] | None = None
+    grammar: NonEmpty | None = None
 
 
 class StreamOptions(_Strict):
@@ -103,6 +202,14 @@ class _Common(_Strict):
     # vLLM's benchmark client (`vllm bench serve`) sends 1.0 on every completions request: the
     # neutral value is taken, any other is refused (no repetition penalty is implemented)
     repetition_penalty: Literal[1.0] | None = None
+    # structured output (server/structured.py): OpenAI's response_format, vLLM's structured_outputs
+    # and its older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | NonEmpty | None = None
+    guided_regex: NonEmpty | None = None
+    guided_choice: Annotated[list[NonEmpty], Field(min_length=1)] | None = None
+    guided_grammar: NonEmpty | None = None
 
 
 # One clear message for fields whose schema is a union (pydantic reports every branch) or
@@ -112,18 +219,13 @@ FIELD_HELP = {
     "prompt": "prompt must be a string, a list of strings, a list of token ids (>= 0), or a list of such lists; "
               "lists may not be empty",
     "logit_bias": "logit_bias maps token ids (decimal strings) to biases in [-100, 100]",
-    "tools": "tools are not supported yet",
-    "tool_choice": "tool_choice is not supported yet (only \"none\")",
-    "parallel_tool_calls": "parallel_tool_calls is not supported (no tools yet)",
-    "response_format": "response_format other than text is not supported yet",
+    "tool_choice": "tool_choice must be \"none\", \"auto\", \"required\" or "
+                   "{\"type\": \"function\", \"function\": {\"name\": NAME}}",
+    "guided_json": "guided_json must be a JSON Schema (an object, or its text)",
     "suffix": "suffix is not supported",
     "repetition_penalty": "repetition_penalty other than 1.0 (no penalty) is not supported; "
                           "presence_penalty and frequency_penalty are",
 }
-
-
-class ResponseFormat(_Strict):
-    type: Literal["text"]
 
 
 class ChatRequest(_Common):
@@ -131,11 +233,10 @@ class ChatRequest(_Common):
     max_completion_tokens: TokenCount | None = None
     logprobs: bool | None = False
     top_logprobs: _int(ge=0, le=MAX_LOGPROBS) | None = None
-    # not supported yet (structured output, tools): only their "off" values are accepted
-    response_format: ResponseFormat | None = None
-    tools: Annotated[list[Any], Field(max_length=0)] | None = None
-    tool_choice: Literal["none"] | None = None
-    parallel_tool_calls: Literal[True] | None = None
+    # tool calls (server/structured.py, server/tool_parsers.py)
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_Common):
@@ -148,9 +249,11 @@ class CompletionRequest(_Common):
 
 
 def sampling_params(req: _Common, max_tokens: int, logprobs: int | None, seed_offset: int,
-                    defaults: GenerationDefaults = GenerationDefaults()) -> SamplingParams:
+                    defaults: GenerationDefaults = GenerationDefaults(),
+                    structured: StructuredOutputs | None = None) -> SamplingParams:
     """The engine's settings for choice number `seed_offset` of this request; fields the request
-    leaves out take the server's generation-config `defaults`, else the neutral ones."""
+    leaves out take the server's generation-config `defaults`, else the neutral ones;
+    `structured`: the grammar its output follows (server/structured.py)."""
     bias = {int(key): value for key, value in (req.logit_bias or {}).items()}  # keys: canonical decimals (TokenIdKey)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
 
@@ -163,7 +266,7 @@ def sampling_params(req: _Common, max_tokens: int, logprobs: int | None, seed_of
                   logit_bias=bias, min_tokens=req.min_tokens or 0, ignore_eos=bool(req.ignore_eos), stop=tuple(stop),
                   seed=None if req.seed is None else req.seed + seed_offset, logprobs=logprobs)
     try:
-        return SamplingParams(**kwargs)
+        return SamplingParams(**kwargs, structured=structured)
     except ValueError as e:
         param = str(e).split(" ", 1)[0]
         raise ApiError(400, str(e), param if param in kwargs else None) from None
@@ -182,9 +285,28 @@ def check_common(req: _Common) -> int:
 
 def template_message(m: ChatMessage) -> dict:
     """A message as the chat template takes it: text parts joined by newlines (as vLLM joins
-    them), developer as system."""
+    them), developer as system; an assistant's tool calls with their arguments as a dict (the
+    JSON text parsed, as vLLM passes them: templates write them with `tojson`; text that is not
+    a JSON object stays text), a tool message with its tool_call_id."""
     content = "\n".join(p.text for p in m.content) if isinstance(m.content, list) else m.content
-    return {"role": "system" if m.role == "developer" else m.role, "content": content}
+    out = {"role": "system" if m.role == "developer" else m.role, "content": content}
+    if isinstance(m, AssistantMessage) and m.tool_calls is not None:
+        out["tool_calls"] = [{"id": c.id, "type": c.type,
+                              "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                             for c in m.tool_calls]
+    elif isinstance(m, AssistantMessage) and content is None:
+        out["content"] = ""  # an assistant turn without text or calls: an empty one
+    if isinstance(m, ToolMessage):
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def _arguments(text: str):
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return text
+    return value if isinstance(value, dict) else text
 
 
 def chat_inputs(req: ChatRequest) -> tuple[list[dict], int | None, int | None]:

@@ -15,7 +15,7 @@ from starlette.requests import ClientDisconnect
 
 from eagle_serve.scheduler.async_engine import EngineDead
 from eagle_serve.server.metrics import LatencyTracker
-from eagle_serve.server.protocol import FIELD_HELP, ApiError
+from eagle_serve.server.protocol import FIELD_HELP, MESSAGE_ROLES, RESPONSE_FORMAT_TYPES, ApiError
 
 if TYPE_CHECKING:
     from eagle_serve.server.app import ServerState
@@ -37,6 +37,12 @@ async def parse_request(request: Request, model, state: ServerState):
         req = model.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
+        where = list(err["loc"])
+        if len(where) > 2 and where[0] == "messages" and where[2] in MESSAGE_ROLES:
+            del where[2]  # the message's role: the tag of its shape, not a field
+        if len(where) > 1 and where[0] == "response_format" and where[1] in RESPONSE_FORMAT_TYPES:
+            del where[1]  # likewise its type
+        err["loc"] = tuple(where)
         loc = ".".join(str(x) for x in err["loc"])
         top = str(err["loc"][0]) if err["loc"] else ""
         if top in FIELD_HELP and err["type"] != "extra_forbidden":
@@ -98,6 +104,7 @@ class Handle:
         self.prompt_tokens = sum(len(p) for p in {id(p): p for p in prompts}.values())
         self.finished = [False] * len(seq_ids)
         self.echo: list[str] | None = None  # completions with echo: each choice's prompt text
+        self.plan = None  # chat: its structured output and tools (server.structured.Plan)
 
 
 def submit(state: ServerState, prompts: list[list[int]], params, user: str | None) -> Handle:

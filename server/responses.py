@@ -5,6 +5,8 @@ from __future__ import annotations
 import codecs
 from typing import TYPE_CHECKING
 
+from eagle_serve.server.tool_parsers import ToolCallReader, finish_reason
+
 if TYPE_CHECKING:
     from eagle_serve.server.app import ServerState
     from eagle_serve.server.requests import Handle
@@ -38,12 +40,29 @@ def chat_logprobs(state: ServerState, token_ids, logprobs) -> dict:
     return {"content": content}
 
 
+def tool_reader(state: ServerState, handle: Handle) -> ToolCallReader | None:
+    """A choice's tool-call reader, for a request whose answer is read as tool calls."""
+    p = handle.plan
+    if p is None or p.reader is None:
+        return None
+    m = state.metrics
+    return ToolCallReader(p.reader, p.functions, p.function, on_call=m.tool_calls.labels(p.reader).inc,
+                          on_failure=m.tool_call_failures.labels(p.reader).inc, max_calls=p.max_calls)
+
+
 def chat_response(state: ServerState, handle: Handle, outs) -> dict:
     choices = []
     for i, o in enumerate(outs):
-        choices.append({"index": i, "message": {"role": "assistant", "content": o.text},
+        message, finish = {"role": "assistant", "content": o.text}, o.finish_reason
+        reader = tool_reader(state, handle)
+        if reader is not None:
+            message["content"], calls = reader.read(o.text)
+            if calls:
+                message["tool_calls"] = calls
+            finish = finish_reason(finish, len(calls))
+        choices.append({"index": i, "message": message,
                         "logprobs": chat_logprobs(state, o.token_ids, o.logprobs) if o.logprobs is not None else None,
-                        "finish_reason": o.finish_reason})
+                        "finish_reason": finish})
     return {"id": f"chatcmpl-{handle.id}", "object": "chat.completion", "created": handle.created,
             "model": state.model_name, "choices": choices, "usage": usage(state, handle, outs)}
 

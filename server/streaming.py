@@ -13,7 +13,8 @@ from starlette.background import BackgroundTask
 from eagle_serve.server.metrics import LatencyTracker
 from eagle_serve.server.protocol import ApiError, StreamOptions
 from eagle_serve.server.requests import Handle, engine_error, shutdown_error, timeout_error
-from eagle_serve.server.responses import TextOffsets, chat_logprobs, completion_logprobs, usage
+from eagle_serve.server.responses import TextOffsets, chat_logprobs, completion_logprobs, tool_reader, usage
+from eagle_serve.server.tool_parsers import finish_reason
 
 if TYPE_CHECKING:
     from eagle_serve.server.app import ServerState
@@ -143,12 +144,29 @@ def chat_stream(state: ServerState, handle: Handle, options: StreamOptions | Non
     opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
                for i in range(len(handle.seq_ids))]
 
+    readers = [tool_reader(state, handle) for _ in handle.seq_ids]  # (None: plain text)
+
     def choices_for(i, out, new_ids, lps):
-        if out.text_delta or lps:
-            yield {"index": i, "delta": {"content": out.text_delta},
-                   "logprobs": chat_logprobs(state, new_ids, lps) if lps is not None else None, "finish_reason": None}
+        reader = readers[i]
+        if reader is None:
+            if out.text_delta or lps:
+                yield {"index": i, "delta": {"content": out.text_delta},
+                       "logprobs": chat_logprobs(state, new_ids, lps) if lps is not None else None,
+                       "finish_reason": None}
+            if out.finished:
+                yield {"index": i, "delta": {}, "logprobs": None, "finish_reason": out.finish_reason}
+            return
+        # tool calls: content and calls as the reader gives them (a call once its block is read);
+        # the tokens' logprobs ride on the first delta of their output, or an empty one
+        deltas = reader.feed(out.text_delta) + (reader.finish() if out.finished else [])
+        lp = chat_logprobs(state, new_ids, lps) if lps else None
+        if lp is not None and not deltas:
+            deltas = [{}]
+        for j, d in enumerate(deltas):
+            yield {"index": i, "delta": d, "logprobs": lp if j == 0 else None, "finish_reason": None}
         if out.finished:
-            yield {"index": i, "delta": {}, "logprobs": None, "finish_reason": out.finish_reason}
+            yield {"index": i, "delta": {}, "logprobs": None, "finish_reason": finish_reason(out.finish_reason,
+                                                                                              reader.calls)}
     return _sse(state, handle, UsageChunks(options), base, opening, choices_for)
 
 

@@ -246,8 +246,8 @@ def test_errors_have_openai_shape_and_status(server, client):
                                                          "function": {"name": "f", "parameters": {}}}]))
     assert s == 400 and e["param"] == "tools"
     s, e = _error(lambda: client.chat.completions.create(model="tiny", messages=MSG,
-                                                         response_format={"type": "json_object"}))
-    assert s == 400 and e["param"] == "response_format"
+                                                         response_format={"type": "json_schema"}))
+    assert s == 400 and e["param"] == "response_format.json_schema"
     s, e = _error(lambda: client.completions.create(model="tiny", prompt="x" * 3000, max_tokens=5))
     assert s == 400 and e["code"] == "context_length_exceeded"
     # a later prompt too long: no prompt of the request is added, so none is counted as aborted
