@@ -119,3 +119,15 @@ def tools_server(tools_llm):
     srv.state = state
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(tools_server):
+    """The openai SDK against `tools_server`."""
+    import openai
+    return openai.OpenAI(base_url=tools_server.url + "/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id

@@ -16,8 +16,8 @@ from eagle_serve.engine.speculative.drafters import Drafter
 from eagle_serve.engine.speculative.tree import DraftTree, chain, from_paths, prune, root_only
 from eagle_serve.engine.structured import GrammarError, GrammarState, allocate
 from eagle_serve.server.llm import LLM
-from tests.spec_helpers import KW, OracleDrafter, write_eagle_head
-from tests.test_spec import SPECS
+from tests.spec_helpers import KW, OracleDrafter
+from tests.test_spec import SPECS, head_dir, plain  # noqa: F401 (fixtures)
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 5}},
           "required": ["a", "b"], "additionalProperties": False}
@@ -28,16 +28,6 @@ GRAMMARS = {
     "choice": StructuredOutputs(choice=("alpha", "beta", "gamma delta")),
     "ebnf": StructuredOutputs(grammar='root ::= "(" item ("," item)? ")"\nitem ::= [a-z] | [a-z] [a-z]'),
 }
-
-
-@pytest.fixture(scope="module")
-def head_dir(tiny_llama, tmp_path_factory):
-    return write_eagle_head(str(tmp_path_factory.mktemp("eagle-head")), tiny_llama[0])
-
-
-@pytest.fixture(scope="module")
-def plain(tiny_llama):
-    return LLM(tiny_llama[0], **KW)
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:

@@ -8,7 +8,6 @@ import re
 
 import httpx2 as httpx
 import jsonschema
-import openai
 import pytest
 from pydantic import BaseModel
 
@@ -25,16 +24,6 @@ class City(BaseModel):
     name: str
     country: str
     population: int
-
-
-@pytest.fixture(scope="module")
-def client(tools_server):
-    return openai.OpenAI(base_url=tools_server.url + "/v1", api_key="none", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
 
 
 def post(server, body: dict, path: str = "/v1/chat/completions") -> httpx.Response:

@@ -7,7 +7,6 @@ import json
 
 import httpx2 as httpx
 import jsonschema
-import openai
 import pytest
 
 from eagle_serve.engine.tokenizer import _compile
@@ -153,16 +152,6 @@ def test_llm_chat_template_option_and_refusal(tiny_llm, tools_llm):
 
 # ---------------------------------------------------------------------------- the live server
 
-
-
-@pytest.fixture(scope="module")
-def client(tools_server):
-    return openai.OpenAI(base_url=tools_server.url + "/v1", api_key="none", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
 
 
 def _check_call(call, name: str | None = None):
