@@ -149,8 +149,10 @@ def main() -> None:
     args = ap.parse_args()
     args.prompt_len = args.prompt_len or (24 if args.quick else 640)
     args.max_new = args.max_new or (16 if args.quick else 128)
-    result = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor()
+    from bench.bench_decode import cpu_model
+    result = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else cpu_model()
               or platform.machine(), "device_type": args.device.split(":")[0], "dtype": args.dtype,
+              "threads": torch.get_num_threads(), "command": " ".join(["python"] + sys.argv),
               "torch": torch.__version__, "quick": args.quick, "prompt_len": args.prompt_len, "max_new": args.max_new,
               "tree_tokens": args.tree_tokens, "models": {}}
     seq = Seq()

@@ -10,9 +10,10 @@ Four systems, one run, the order rotated per prompt (drift of the machine's spee
   spec+json    the same, the prompt's schema
 
 Per system: new tokens, tok/s, tokens per target forward. Ratios (medians of per-prompt paired
-ratios): per-token time of plain+json over plain (what the masks cost a token: the two texts
-differ, a decode step's cost does not at these lengths), speculative speed-up without and with the
-grammar, and the engine's own seconds in grammar work per token (matcher sync, draft candidate
+ratios): decode time a token (after the first) of plain+json over plain (what the masks cost a
+token: the two texts differ in length, a decode step's cost at these contexts does not; whole-
+request times would charge the shorter JSON answers more prefill a token), speculative speed-up
+without and with the grammar (whole requests, the same prompt on both sides), and the engine's own seconds in grammar work per token (matcher sync, draft candidate
 checks, tree masks, applying them), timed around those calls. Greedy outputs of spec+json
 equal plain+json's (checked per prompt), and every finished JSON output validates.
 
@@ -105,7 +106,8 @@ def run(llm: LLM, p: dict, grammar: bool, max_new: int, clock: GrammarClock) -> 
     t0 = time.perf_counter()
     out = llm.generate(p["ids"], params)[0]
     seconds = time.perf_counter() - t0
-    return {"tokens": len(out.token_ids), "seconds": seconds, "steps": llm.loop.num_steps - steps0,
+    decode = (out.finish_time - out.first_token_time) if out.finish_time and out.first_token_time else None
+    return {"tokens": len(out.token_ids), "seconds": seconds, "decode_seconds": decode, "steps": llm.loop.num_steps - steps0,
             "grammar_seconds": clock.seconds - g0, "ids": out.token_ids, "text": out.text,
             "finish_reason": out.finish_reason,
             "spec": {"verify_steps": out.spec.verify_steps, "accepted": out.spec.accepted_tokens}}
@@ -139,7 +141,14 @@ def main(argv=None) -> None:
             f"{n} {row[n]['tokens'] / row[n]['seconds']:6.1f} tok/s" for n in names), flush=True)
     summary = summarize(rows, names)
     summary["jump_forward"] = forced_positions(systems["plain"], rows)
-    result = {"benchmark": "structured_output", "model": "embedded default (SmolLM2-135M-Instruct)",
+    import platform
+
+    import torch
+    sys.path.insert(0, HERE)
+    from bench_decode import cpu_model
+    env = {"cpu_model": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+           "python": platform.python_version(), "command": " ".join(["python"] + sys.argv)}
+    result = {"benchmark": "structured_output", "env": env, "model": "embedded default (SmolLM2-135M-Instruct)",
               "draft": os.path.basename(os.path.normpath(draft)), "dtype": args.dtype, "max_new": args.max_new,
               "prompts_per_kind": args.prompts, "threads": os.cpu_count(), "summary": summary,
               "rows": [{k: ({kk: vv for kk, vv in v.items() if kk != "ids"} if isinstance(v, dict) else v)
@@ -188,7 +197,12 @@ def summarize(rows: list[dict], names: list[str]) -> dict:
         out[n] = {"tokens": toks, "tok_s": round(toks / sum(r[n]["seconds"] for r in rows), 2),
                   "tokens_per_forward": round(toks / max(sum(r[n]["steps"] for r in rows), 1), 3),
                   "grammar_ms_per_token": round(1e3 * sum(r[n]["grammar_seconds"] for r in rows) / max(toks, 1), 4)}
-    out["mask_cost_per_token"] = round(paired("plain+json", "plain"), 4)  # > 1: the masks' share of a token
+    def decode_per_token(r):  # after the first token: the prompt's prefill is not a token's cost
+        return r["decode_seconds"] / max(r["tokens"] - 1, 1)
+    # > 1: what the masks add to a decoded token (the texts differ in length, a decode step's cost
+    # at these contexts does not)
+    out["mask_cost_per_token"] = round(statistics.median(
+        decode_per_token(r["plain+json"]) / decode_per_token(r["plain"]) for r in rows), 4)
     out["speedup_free"] = round(paired("plain", "spec"), 3)
     out["speedup_json"] = round(paired("plain+json", "spec+json"), 3)
     for kind in ("extraction", "tool"):

@@ -24,6 +24,8 @@ every step so a crash or a timeout still leaves the steps done so far. Sections:
                 fixed tree, batch 1 and a larger batch, CUDA graphs on and off
   verify_curve  (d) seconds of one verify forward (+ LM head) by tree tokens per sequence
                 (1..256), batch 1 and 8, graphs on and off: where verification stops being free
+  families      Qwen3, Qwen3-MoE (scaled to fit) and Gemma 3 1B at their real shapes, bf16
+                (bench/bench_families.py): plain and oracle-drafted decoding, outputs equal to plain
   draft_cost    the tree budget's start-up profile (engine.profile.profile_costs) with a random
                 EAGLE-2 head at the default tree (SpecConfig("eagle2"): 24 tokens, depth 5, top-k
                 4): a drafting round at full depth and at depth 1 by drafting sequences, against
@@ -81,7 +83,7 @@ ATTENTION = [None]  # --attention, for every engine built here
 SHARES = {"correctness": 0.13, "backends": 0.07, "kv_sizing": 0.07,
           "throughput": {"smollm2-135m": 0.14, "llama3-8b": 0.27, "tiny": 0.2},
           "verify_curve": {"smollm2-135m": 0.09, "llama3-8b": 0.19, "tiny": 0.1},
-          "draft_cost": {"smollm2-135m": 0.06, "llama3-8b": 0.1, "tiny": 0.1}}
+          "draft_cost": {"smollm2-135m": 0.06, "llama3-8b": 0.1, "tiny": 0.1}, "families": 0.15}
 
 
 # ---------------------------------------------------------------- models
@@ -699,6 +701,32 @@ def precapture(runner: ModelRunner, batch: int, min_kv: int, max_kv: int, max_to
 
 
 @torch.inference_mode()
+def step_families(args, deadline) -> dict:
+    """Qwen3, Qwen3-MoE and Gemma 3 at their real shapes (bench/bench_families.py's, 2-layer ones
+    with --quick), bf16 on the GPU: plain and oracle-drafted decoding at 1 and 8 sequences, tok/s,
+    ms a step and outputs equal to plain."""
+    sys.path.insert(0, ROOT)
+    from bench import bench_families as fam
+    ns = argparse.Namespace(quick=args.quick, device=args.device, dtype="bfloat16" if args.device != "cpu" else "float32",
+                            batches=[1, 8], prompt_len=24 if args.quick else 640, max_new=16 if args.quick else 128,
+                            tree_tokens=5)
+    out, seq = {"models": {}}, Seq()
+    seq.next = 50_000
+    for name in fam.MODELS:
+        if deadline.expired():
+            out["stopped_early"] = f"time limit before {name}"
+            break
+        out["models"][name] = fam.bench_model(name, ns, seq)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    rows = [r for m in out["models"].values() for r in m["rows"]]
+    out["all_equal_to_plain"] = bool(rows) and all(r["same_as_plain"] for r in rows)
+    out["status"] = "ok" if out["all_equal_to_plain"] and "stopped_early" not in out else \
+        "partial" if out["all_equal_to_plain"] else "failed"
+    return out
+
+
 def step_verify_curve(args, runner: ModelRunner, name: str, deadline) -> dict:
     vocab = runner.loaded.config.vocab_size
     rng = random.Random(3)
@@ -1008,6 +1036,10 @@ def main(argv=None) -> int:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+    if "families" in args.skip:
+        report.data["families"] = {"status": "skipped", "reason": "--skip"}
+    else:
+        report.run(["families"], share("families"), step_families, args)
     for section in ("throughput", "verify_curve", "draft_cost"):
         states = [m.get("status") for m in report.data[section]["models"].values()]
         report.data[section]["status"] = ("ok" if states and all(s == "ok" for s in states) else
@@ -1017,7 +1049,7 @@ def main(argv=None) -> int:
     report.data["total_s"] = round(time.perf_counter() - t_start, 1)
     report.write()
     summary = {k: report.data[k].get("status") for k in ("correctness", "backends", "kv_sizing", "throughput",
-                                                         "verify_curve", "draft_cost")}
+                                                         "verify_curve", "draft_cost", "families")}
     print(json.dumps({"summary": summary, "total_s": report.data["total_s"], "chart": report.data["chart"],
                       "json": report.path}), flush=True)
     return 0 if all(s in ("ok", "skipped") for s in summary.values()) else 1

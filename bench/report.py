@@ -305,12 +305,96 @@ def startup() -> Section:
                    "Wall-clock seconds of whole processes on an idle machine, the default model and head.")
 
 
+def structured_output() -> Section:
+    name = "structured_output.json"
+    d = load(name)
+    s = d["summary"]
+    rows = [["system", "tok/s", "tokens a forward", "grammar ms a token"]]
+    for n in ("plain", "plain+json", "spec", "spec+json"):
+        rows.append([n, f1(s[n]["tok_s"]), f2(s[n]["tokens_per_forward"]), f"{s[n]['grammar_ms_per_token']:.3f}"])
+    rows.append(["decode time a token, plain+json / plain", f"{s['mask_cost_per_token']:.3f}", "", ""])
+    rows.append(["speed-up without / with the grammar", f"{s['speedup_free']:.2f} / {s['speedup_json']:.2f}", "", ""])
+    note = (f"{s['prompts']} prompts (JSON extraction and tool-call arguments), greedy, {d['max_new']} new tokens at "
+            f"most, single stream, draft head `{d['draft']}` with the tree budget; speculative greedy equal to plain: "
+            f"{s['greedy_equal_json']}/{s['prompts']} with the grammar, {s['greedy_equal_free']}/{s['prompts']} "
+            f"without; finished JSON outputs valid: {s['json_valid']}/{s['json_finished']}. Tokens the grammar alone "
+            f"forces: {s['jump_forward']['forced_tokens']} of {s['jump_forward']['tokens']}.")
+    return Section("Structured output: the masks' cost and speculation", name, cpu(d["env"]),
+                   with_out(d["env"]["command"], name), rows, note)
+
+
+def eagle3_interop() -> Section:
+    name = "eagle3_interop.json"
+    d = load(name)
+    rows = [["case", "reference head in eagle-serve", "eagle-serve's head in the reference", "keys as the reference saves"]]
+    for c in d["cases"]:
+        fwd = c.get("reference_head_in_eagle_serve") or (c if "max_abs_logit_diff" in c else None)
+        back = c.get("eagle_serve_head_in_reference")
+        rows.append([c["case"], _diff(fwd), _diff(back),
+                     "-" if back is None else "yes" if back.get("same_keys_as_reference_save") else "no"])
+    refs = ", ".join(f"{k} {v}" for k, v in d["reference_packages"].items())
+    note = (f"Max abs difference of the draft logits ({d['dtype']}, {d['sizes']['positions']} positions, the same "
+            f"token ids and captured target states), and whether the top-1 ids agree. References: {refs}. "
+            "safeailab: no EAGLE-3 reference on PyPI, SpecForge's head without its embedding and layer ids, "
+            "through eagle-serve's loader.")
+    return Section("EAGLE-3 heads against the reference implementations", name, "CPU",
+                   "python bench/eagle3_interop.py --setup", rows, note)
+
+
+def _diff(r: dict | None) -> str:
+    if not r:
+        return "-"
+    return f"{r['max_abs_logit_diff']:.1e} (top-1 {'equal' if r.get('top1_ids_equal') else 'differs'})"
+
+
+def model_families() -> Section:
+    name = "model_families.json"
+    d = load(name)
+    rows = [["model", "parameters", "sequences", "plain tok/s", "plain ms a step", "oracle tok/s", "oracle ms a round",
+             "acceptance length", "outputs equal plain"]]
+    for model, m in d["models"].items():
+        for batch in sorted({r["batch"] for r in m["rows"]}):
+            plain = next(r for r in m["rows"] if r["batch"] == batch and r["mode"] == "plain")
+            oracle = next(r for r in m["rows"] if r["batch"] == batch and r["mode"] != "plain")
+            rows.append([model, f"{m['parameters'] / 1e9:.2f} B", str(batch), f1(plain["tok_s"]), f1(plain["ms_per_step"]),
+                         f1(oracle["tok_s"]), f1(oracle["ms_per_step"]), f2(oracle["accept_len"]),
+                         "yes" if plain["same_as_plain"] and oracle["same_as_plain"] else "no"])
+    note = (f"Random-weight models of each family's real shape (bench/bench_families.py's docstring: the MoE is "
+            f"scaled down to fit), {d['dtype']}, prompts of {d['prompt_len']} tokens, {d['max_new']} new tokens; the "
+            f"oracle drafts the target's own continuation as a chain of {d['tree_tokens'] - 1} tokens.")
+    return Section("Model families: decode speed", name, f"{d['device']}, {d.get('threads', '?')} threads, torch {d['torch']}",
+                   d.get("command", "python bench/bench_families.py"), rows, note)
+
+
+def eagle3_vs_eagle2() -> Section:
+    """The two recipes trained side by side on the same data, tokens and held-out split."""
+    e3, e2 = load("head_curve_eagle3.json"), load("head_curve_eagle2_fused.json")
+    rows = [["training tokens", "EAGLE-3 acceptance length", "EAGLE-2 (fused features) acceptance length"]]
+    by_tokens = {p["train_tokens"]: p for p in e2["points"]}
+    for p in e3["points"]:
+        q = by_tokens.get(p["train_tokens"])
+        rows.append([f"{p['train_tokens']:,}", f"{p['acceptance_length']:.3f}",
+                     f"{q['acceptance_length']:.3f}" if q else "-"])
+    for key, label in (("heldout_top1_step1", "held-out top-1, step 1"), ("heldout_top1_step2", "step 2"),
+                       ("heldout_top1_step3", "step 3"), ("train_seconds", "training seconds")):
+        rows.append([label, f"{e3['card'][key]:.3f}" if key != "train_seconds" else f1(e3["card"][key]),
+                     f"{e2['card'][key]:.3f}" if key != "train_seconds" else f1(e2["card"][key])])
+    c = e3["config"]
+    note = (f"Acceptance length at the {c['tree']} tree (tokens x depth x top-k, fixed), {c['prompts']} MT-bench first "
+            f"turns, {c['max_new']} new tokens, {c['dtype']}, greedy; held-out figures from the runs' cards. "
+            f"Training: `{e3['train_command']}` and `{e2['train_command']}`; the curves: "
+            f"`python bench/bench_head_curve.py --run RUN --prompts {c['prompts']} --max-new {c['max_new']}`.")
+    return Section("Draft head: EAGLE-3 against EAGLE-2 at the same training tokens", "head_curve_eagle3.json",
+                   "not recorded in the results file", "see the note", rows, note)
+
+
 def sections() -> list[Section]:
     return [decode_vs_peers(), speculative(), speculative_bounds("speculative_bounds_1.5x.json"),
             speculative_bounds("speculative_bounds_1.8x.json"), round_cost(), serve_sweep(), serve_vs_vllm(),
             head_eval(), head_curve("head_acceptance_60x6x10.json", "Draft head: acceptance length"),
             head_curve("head_curve_stages.json", "Draft head: acceptance over its training stages"),
-            head_speed(), linear(), attention(), kernels_ab(), startup(), reliability(), soak(), gpu_check()]
+            head_speed(), eagle3_vs_eagle2(), eagle3_interop(), structured_output(), model_families(), linear(),
+            attention(), kernels_ab(), startup(), reliability(), soak(), gpu_check()]
 
 
 # ---------------------------------------------------------------- rendering

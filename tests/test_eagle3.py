@@ -266,7 +266,7 @@ def test_draft_tree_scores_equal_each_path_drafted_alone(target, heads, head_nam
     drafter = llm.runner.drafter
     grown = []
     original = drafter._tree
-    drafter._tree = lambda root, g, total: (grown.append(g), original(root, g, total))[1]
+    drafter._tree = lambda root, g, *rest: (grown.append(g), original(root, g, *rest))[1]
     prompt = prompts(1, seed=4)[0]
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     first = llm.generate(prompt, params)[0].token_ids[0]

@@ -15,7 +15,7 @@ from eagle_serve.engine.speculative.accept import walk
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "bench", "gpu_check.py")
-SECTIONS = ("env", "correctness", "backends", "kv_sizing", "throughput", "verify_curve")
+SECTIONS = ("env", "correctness", "backends", "kv_sizing", "throughput", "verify_curve", "families")
 
 
 @pytest.fixture(scope="module")

@@ -112,7 +112,7 @@ def test_draft_frontier_sees_only_its_ancestors(tiny_llama, head_dir):
     drafter = llm.runner.drafter
     grown = []
     original = drafter._tree
-    drafter._tree = lambda root, g, total: (grown.append(g), original(root, g, total))[1]
+    drafter._tree = lambda root, g, *rest: (grown.append(g), original(root, g, *rest))[1]
     prompt = prompts(1, seed=4)[0]
     llm.generate(prompt, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     g = grown[0]
@@ -161,7 +161,7 @@ def test_pending_pairs_reach_the_head_whatever_the_rounds_and_batches(tiny_llama
                 drafter.observe(step(b, j), [seqs[b][j + 1]], feats[b][j:j + 1], reset=False)
     grown = []
     original = drafter._tree
-    drafter._tree = lambda root, g, total: (grown.append(g), original(root, g, total))[1]
+    drafter._tree = lambda root, g, *rest: (grown.append(g), original(root, g, *rest))[1]
     drafter.propose([step(b, len(seqs[b]) - 1) for b in (0, 1)], [1, 1])
     assert len(grown) == 2 and drafter.catchup_seconds > 0  # both drafted; the first through a catch-up
     for b, g in enumerate(grown):
@@ -207,7 +207,7 @@ def test_a_prefix_cache_hit_drafts_as_if_the_prefix_were_computed(tiny_llama, he
     before = drafter.kv.data[:, :, shared_slots].clone()
     grown = []
     original = drafter._tree
-    drafter._tree = lambda root, g, total: (grown.append(g), original(root, g, total))[1]
+    drafter._tree = lambda root, g, *rest: (grown.append(g), original(root, g, *rest))[1]
     # B's prefill from the hit on: its own pairs from position 8 on
     drafter.observe_many([(step(1, 8, True), b[9:], True)], feats[1][8:len(b) - 1])
     drafter.propose([step(1, len(b) - 1)], [1])

@@ -312,3 +312,41 @@ def test_auto_without_a_parser_and_tools_without_a_template_are_400s(tools_serve
 def test_bad_tool_messages_are_400s(tools_server, model, message, param):
     r = _post(tools_server, {"model": model, "messages": [*ASK, message], "max_tokens": 4})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+@live
+def test_speculation_on_and_off_answer_alike(tools_server, model):
+    """The same structured and tool-call requests against a server that speculates with the
+    shipped head (EAGLE-2 over grammar-pruned trees, every verified node masked): greedy answers
+    equal the plain server's, call for call (ids aside)."""
+    from eagle_serve.engine.default_model import default_draft_path
+    from eagle_serve.engine.speculative.config import SpecConfig
+    from eagle_serve.server.app import BackgroundServer, ServerState
+    from eagle_serve.server.llm import LLM
+    llm = LLM(None, dtype="float32", device="cpu", kv_cache_tokens=4096, chat_template="chatml_tools",
+              draft=default_draft_path(), spec=SpecConfig("eagle2", total_tokens=8, depth=4, top_k=4), tree_budget=False)
+    spec_server = BackgroundServer(ServerState(llm, tool_call_parser="hermes"))
+    city = {"type": "object", "properties": {"name": {"type": "string"}, "country": {"type": "string"},
+                                             "population": {"type": "integer"}},
+            "required": ["name", "country", "population"], "additionalProperties": False}
+    bodies = [
+        {"messages": [{"role": "user", "content": "Describe Paris in JSON: its name, country and population."}],
+         "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": city}}},
+        {"messages": [{"role": "user", "content": "What is the capital of France? Reply in JSON."}],
+         "response_format": {"type": "json_object"}},
+        {"messages": ASK, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+        {"messages": ASK, "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False},
+    ]
+    try:
+        drafted = 0
+        for body in bodies:
+            body = {"model": model, "temperature": 0, "max_tokens": 48, **body}
+            plain, spec = (_post(srv, body).json() for srv in (tools_server, spec_server))
+            p, s = plain["choices"][0], spec["choices"][0]
+            assert s["message"]["content"] == p["message"]["content"]
+            assert _plain(s["message"].get("tool_calls") or []) == _plain(p["message"].get("tool_calls") or [])
+            assert s["finish_reason"] == p["finish_reason"]
+            drafted += spec["usage"].get("spec", {}).get("draft_tokens", 0)
+        assert drafted > 0  # the speculating server did verify drafts
+    finally:
+        spec_server.stop()
