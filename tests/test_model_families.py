@@ -149,3 +149,34 @@ def test_gemma3_through_the_flash_backend(tmp_path, monkeypatch):
     outs = oracle.generate(ps, params)
     assert [o.token_ids for o in outs] == ref
     assert sum(o.spec.accepted_tokens for o in outs) > 10
+
+
+def test_grouped_experts_equal_the_per_expert_loop(tmp_path):
+    """The GPU's grouped expert path (one padded batch, batched matmuls over stacked weights) sums
+    what the CPU's per-expert loop sums, on a batch where some experts get no rows; stacking leaves
+    each expert's weights as views (no copy)."""
+    from eagle_serve.engine.models.llama import SparseMoE
+    path = str(tmp_path / "moe")
+    write_tiny_model(path, arch="qwen3_moe", layers=3, seed=4, tokenizer=False)
+    loaded = load_model(path, torch.float64, torch.device("cpu"), skip_tokenizer=True)
+    moe = next(m for m in loaded.model.modules() if isinstance(m, SparseMoE))
+    x = torch.randn(5, loaded.config.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        weights, chosen = moe.route(x)
+        assert len(chosen.unique()) < len(moe.experts)  # idle experts in the batch
+        loop = moe(x)
+        grouped = moe.grouped(x, weights, chosen)
+        torch.testing.assert_close(grouped, loop, rtol=1e-12, atol=1e-12)
+        gate_up, _ = moe.stacked()
+        assert moe.experts[3].gate_up_proj.weight.data_ptr() == gate_up[3].data_ptr()
+        torch.testing.assert_close(moe(x), loop, rtol=0, atol=0)  # the loop on the views
+        # a batch past the sync-free size pads to the busiest expert instead
+        import eagle_serve.engine.models.llama as llama
+        big = torch.randn(40, loaded.config.hidden_size, dtype=torch.float64)
+        w, c = moe.route(big)
+        saved = llama.GROUPED_SYNC_FREE_ROWS
+        try:
+            llama.GROUPED_SYNC_FREE_ROWS = 8
+            torch.testing.assert_close(moe.grouped(big, w, c), moe(big), rtol=1e-12, atol=1e-12)
+        finally:
+            llama.GROUPED_SYNC_FREE_ROWS = saved
