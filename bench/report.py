@@ -86,8 +86,8 @@ def decode_vs_peers() -> Section:
                    rows, note)
 
 
-def speculative() -> Section:
-    name = "speculative_single_stream.json"
+def speculative(name: str = "speculative_single_stream.json", title: str = "Speculative decoding, one stream",
+                extra_note: str = "") -> Section:
     d = load(name)
     sets = [s for s in ("mtbench", "humaneval") if s in d["summary"]]
     header = ["method"] + [h for s in sets for h in (f"{s} tok/s", "x none", "tokens a forward")]
@@ -103,9 +103,8 @@ def speculative() -> Section:
     c = d["config"]
     note = (f"Greedy, {c['dtype']}, {c['prompts']} prompts a set, {c['max_new']} new tokens; x none is the median "
             "of per-prompt ratios in the same run. Greedy ids equal plain decoding: "
-            + ", ".join(f"{m} {same[m]}/{n[m]}" for m in same) + ".")
-    return Section("Speculative decoding, one stream", name, cpu(d["env"]), with_out(d["env"]["command"], name),
-                   rows, note)
+            + ", ".join(f"{m} {same[m]}/{n[m]}" for m in same) + "." + extra_note)
+    return Section(title, name, cpu(d["env"]), with_out(d["env"]["command"], name), rows, note)
 
 
 def speculative_bounds(name: str) -> Section:
@@ -393,7 +392,11 @@ def sections() -> list[Section]:
             speculative_bounds("speculative_bounds_1.8x.json"), round_cost(), serve_sweep(), serve_vs_vllm(),
             head_eval(), head_curve("head_acceptance_60x6x10.json", "Draft head: acceptance length"),
             head_curve("head_curve_stages.json", "Draft head: acceptance over its training stages"),
-            head_speed(), eagle3_vs_eagle2(), eagle3_interop(), structured_output(), model_families(), linear(),
+            head_speed(), eagle3_vs_eagle2(),
+            speculative("eagle3_vs_shipped_speed.json", "Draft head: the EAGLE-3 run against the shipped head",
+                        " Rows marked `@eagle3-smollm2` draft with the EAGLE-3 head of the comparison above "
+                        "(322,599 training tokens), the others with the shipped head, in the same run."),
+            eagle3_interop(), structured_output(), model_families(), linear(),
             attention(), kernels_ab(), startup(), reliability(), soak(), gpu_check()]
 
 
