@@ -57,6 +57,10 @@ def _field_spec(req: _Common) -> tuple[StructuredOutputs, str, str] | None:
     if rf is not None and rf.type == "json_object":  # OpenAI's JSON mode: an object (not any JSON value)
         found.append((StructuredOutputs(json=ANY_OBJECT), "response_format", "json_object"))
     elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema.description is not None:  # OpenAI shows it to the model; here nothing would
+            raise ApiError(400, "response_format.json_schema.description is not supported: the model is not "
+                                "shown it here (put what the output is for in the messages)",
+                           "response_format.json_schema.description")
         schema = rf.json_schema.schema_
         if schema is None:
             found.append((StructuredOutputs(json=ANY_OBJECT), "response_format.json_schema", "json_object"))

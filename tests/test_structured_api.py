@@ -91,6 +91,8 @@ def test_structured_outputs_regex_choice_and_grammar(client, model):
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}},
      "response_format.json_schema.name"),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "description": "a thing"}}},
+     "response_format.json_schema.description"),
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"structured_outputs": {"regex": "[0-9"}}, "structured_outputs.regex"),
     ({"structured_outputs": {"grammar": "root ::= nothing"}}, "structured_outputs.grammar"),
