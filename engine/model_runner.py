@@ -282,11 +282,10 @@ class ModelRunner:
             k += n
         return GrammarMasks(bitmask, rows, self.loaded.config.vocab_size)
 
-    def _draft(self, steps: list[SeqStep], grammar: dict[int, GrammarState] | None = None
-               ) -> tuple[list[DraftTree], list[int]]:
+    def _draft(self, steps: list[SeqStep], grammar: dict[int, GrammarState]) -> tuple[list[DraftTree], list[int]]:
         """A tree per step (root only where nothing is drafted) and the levels drafted for it.
         A structured step's tree holds only candidates its grammar allows (EAGLE-2 picks its
-        nodes among those; other trees are pruned after)."""
+        nodes among those; other drafters' trees are pruned after)."""
         trees = [root_only(s.token_ids[-1]) for s in steps]
         depths = [min(self.spec.max_depth, s.max_new_tokens - 1,
                       s.tree_depth if s.tree_depth is not None
@@ -299,14 +298,15 @@ class ModelRunner:
         if idle:  # called even when every one is retired: the drafter counts rounds without a draft
             self.drafter.sync([s for s in idle if s.head_sync])
         if decoding:
-            grammar = grammar or {}
-            self.drafter.allowed = (lambda seq_id, tokens, parents: grammar[seq_id].valid_candidates(tokens, parents)
-                                    if seq_id in grammar else None) if grammar else None
+            def allowed(seq_id, tokens, parents):
+                state = grammar.get(seq_id)
+                return None if state is None else state.valid_candidates(tokens, parents)
+            self.drafter.allowed = allowed if grammar else None
             proposed = self.drafter.propose([steps[i] for i in decoding], [depths[i] for i in decoding])
             for i, tree in zip(decoding, proposed):
-                state = grammar.get(steps[i].seq_id)
-                trees[i] = tree if state is None or len(tree) == 1 else prune(
-                    tree, state.valid_candidates(tree.tokens[1:], [p - 1 for p in tree.parents[1:]]))
+                ok = None if self.drafter.filters_candidates or len(tree) == 1 else \
+                    allowed(steps[i].seq_id, tree.tokens[1:], [p - 1 for p in tree.parents[1:]])
+                trees[i] = tree if ok is None else prune(tree, ok)
         return trees, [d if len(t) > 1 else 0 for d, t in zip(depths, trees)]
 
     @staticmethod

@@ -23,8 +23,10 @@ class Drafter(abc.ABC):
     catchup_pairs: int = 0
     # Set by the engine for a round with structured sequences: allowed(seq_id, tokens, parents)
     # says which of a sequence's candidates its grammar allows (parents: -1 the root; None: the
-    # sequence has no grammar). A drafter that ranks candidates keeps only allowed ones.
+    # sequence has no grammar). A drafter that ranks candidates (`filters_candidates`) keeps only
+    # allowed ones; the engine prunes the trees of the others.
     allowed = None
+    filters_candidates = False
 
     @abc.abstractmethod
     def propose(self, steps: list[SeqStep], max_depths: list[int]) -> list[DraftTree]:

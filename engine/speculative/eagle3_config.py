@@ -59,15 +59,20 @@ def is_eagle3(raw: dict) -> bool:
             or SPECULATORS_ARCHITECTURE in archs)
 
 
-def is_eagle3_dir(path: str) -> bool:
-    """Whether the head directory's config.json describes an EAGLE-3 head (False where it is
-    missing or unreadable: the head loader reports that)."""
+def _eagle3_config(path: str) -> dict | None:
+    """The head directory's config.json where it describes an EAGLE-3 head, else None (also
+    where it is missing or unreadable: the head loader reports that)."""
     try:
         with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
             raw = json.load(f)
     except (OSError, ValueError):
-        return False
-    return isinstance(raw, dict) and is_eagle3(raw)
+        return None
+    return raw if isinstance(raw, dict) and is_eagle3(raw) else None
+
+
+def is_eagle3_dir(path: str) -> bool:
+    """Whether the head directory's config.json describes an EAGLE-3 head."""
+    return _eagle3_config(path) is not None
 
 
 def parse_eagle3(raw: dict, source: str) -> Eagle3Layout:
@@ -145,12 +150,11 @@ def _positive(v) -> bool:
 def eagle3_state_count(path: str) -> int:
     """How many target hidden states the EAGLE-3 head in `path` reads (0: not an EAGLE-3 head,
     or a config the head loader will report)."""
+    raw = _eagle3_config(path)
+    if raw is None:
+        return 0
     try:
-        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-            raw = json.load(f)
-        if not (isinstance(raw, dict) and is_eagle3(raw)):
-            return 0
         ids = parse_eagle3(raw, "config.json").hidden_state_ids
-    except (OSError, ValueError, TypeError):
+    except (ValueError, TypeError):
         return 0
     return 3 if ids is None else len(ids)

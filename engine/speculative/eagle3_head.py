@@ -26,13 +26,14 @@ from torch import nn
 from eagle_serve.engine.attention import AttentionBackend
 from eagle_serve.engine.forward_batch import ForwardBatch
 from eagle_serve.engine.kv_cache import KVCache
-from eagle_serve.engine.layers import INT8_MAX_ROWS, W8A8_MAX_ROWS, Linear, RMSNorm, RotaryEmbedding
+from eagle_serve.engine.layers import Linear, RMSNorm, RotaryEmbedding
 from eagle_serve.engine.loader import ModelLoadError, fill_parameters, read_json
 from eagle_serve.engine.model_config import ModelConfig, UnsupportedModel
 from eagle_serve.engine.models.llama import MLP, Attention, LlamaForCausalLM
 from eagle_serve.engine.speculative.eagle3_config import (EAGLE3_ARCHITECTURE, SPECULATORS_ARCHITECTURE,
                                                          Eagle3ConfigError, Eagle3Layout, is_eagle3, parse_eagle3)
-from eagle_serve.engine.speculative.eagle_head import EagleHead, _read_weights, load_eagle_head, topk_log_probs
+from eagle_serve.engine.speculative.eagle_head import (EagleHead, _read_weights, check_draft_ids, load_eagle_head,
+                                                       prepack_head_linears, topk_log_probs)
 
 log = logging.getLogger(__name__)
 
@@ -122,15 +123,9 @@ class Eagle3Head(nn.Module):
         return False
 
     def prepack(self, native: bool = True, int8: bool = False, int8_inputs: bool = False) -> int:
-        """Prepack every linear (and, int8, keep int8 weights for few-row inputs, as
-        EagleHead.prepack does); returns the linears prepacked."""
-        linears = [m for m in self.modules() if isinstance(m, Linear)]
-        packed = sum(m.prepack(native) for m in linears)
-        for m in linears:
-            m.bucket_rows = True
-            if native and int8:
-                m.quantize_int8(W8A8_MAX_ROWS if int8_inputs else INT8_MAX_ROWS, int8_inputs)
-        return packed
+        """Prepack every linear (prepack_head_linears, as EagleHead.prepack); returns the linears
+        prepacked."""
+        return prepack_head_linears(self, native, int8, int8_inputs)
 
 
 def load_draft_head(path: str, target: LlamaForCausalLM, dtype: torch.dtype,
@@ -232,8 +227,7 @@ def _token_ids(d2t, t2d, draft_vocab: int, vocab: int, path: str) -> torch.Tenso
         raise ModelLoadError(f"EAGLE-3 head {path!r}: d2t must be {draft_vocab} integer offsets, got "
                              f"{d2t.dtype} {list(d2t.shape)}")
     ids = torch.arange(draft_vocab, dtype=torch.long) + d2t.long()
-    if int(ids.min()) < 0 or int(ids.max()) >= vocab or len(torch.unique(ids)) != draft_vocab:
-        raise ModelLoadError(f"EAGLE-3 head {path!r}: d2t must map to distinct target ids below {vocab}")
+    check_draft_ids(ids, vocab, path)
     marked = None if t2d is None else t2d.bool().nonzero().flatten()
     if t2d is not None and (t2d.shape != (vocab,) or not torch.equal(marked, ids.sort().values)):
         raise ModelLoadError(f"EAGLE-3 head {path!r}: t2d does not mark the target ids d2t maps to")

@@ -63,6 +63,7 @@ class Growth:
 
 class EagleDrafter(Drafter):
     needs_features = True
+    filters_candidates = True  # _tree picks among the candidates `allowed` keeps
 
     def __init__(self, head: EagleHead, target: LlamaForCausalLM, spec: SpecConfig, num_blocks: int,
                  block_size: int, dtype: torch.dtype, device: torch.device, attention: str = "auto"):

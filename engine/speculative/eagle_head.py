@@ -167,14 +167,7 @@ class EagleHead(nn.Module):
         int8: the linears also keep int8 weights (Linear.quantize_int8) for inputs of up to
         INT8_MAX_ROWS rows, the stack's among them, int8_inputs: rounding those inputs to 8 bits
         too (VNNI), for up to W8A8_MAX_ROWS rows; returns the linears prepacked."""
-        packed = sum(m.prepack(native) for m in self.modules() if isinstance(m, Linear))
-        for m in self.modules():  # one product a forward each: a new row count's kernels cost more than padding
-            if isinstance(m, Linear):
-                m.bucket_rows = True
-        if native and int8:
-            for m in self.modules():
-                if isinstance(m, Linear):
-                    m.quantize_int8(W8A8_MAX_ROWS if int8_inputs else INT8_MAX_ROWS, int8_inputs)
+        packed = prepack_head_linears(self, native, int8, int8_inputs)
         weights_to_arena([m for m in self.modules() if isinstance(m, Linear)])
         self._stack, self._stack_max_rows = native_stack([self.layer], None, self.config, self.fc.weight.dtype, native)
         return packed
@@ -198,6 +191,26 @@ def aux_norm(aux: torch.Tensor, n: int, eps: float) -> torch.Tensor:
     acc = torch.promote_types(a.dtype, torch.float32)
     a = a * torch.rsqrt(a.to(acc).pow(2).mean(-1, keepdim=True) + eps).to(a.dtype)
     return a.reshape(aux.shape)
+
+
+def prepack_head_linears(head: nn.Module, native: bool, int8: bool, int8_inputs: bool) -> int:
+    """Prepack a draft head's linears, each bucketing its row counts (one product a forward each:
+    a new row count's kernels cost more than padding), and with int8 keep int8 weights for inputs
+    of up to INT8_MAX_ROWS rows (W8A8_MAX_ROWS with int8_inputs: inputs rounded to 8 bits too);
+    returns the linears prepacked."""
+    linears = [m for m in head.modules() if isinstance(m, Linear)]
+    packed = sum(m.prepack(native) for m in linears)
+    for m in linears:
+        m.bucket_rows = True
+        if native and int8:
+            m.quantize_int8(W8A8_MAX_ROWS if int8_inputs else INT8_MAX_ROWS, int8_inputs)
+    return packed
+
+
+def check_draft_ids(ids: torch.Tensor, vocab: int, path: str) -> None:
+    """A draft vocabulary's target ids must be distinct and within the target's vocabulary."""
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab or len(torch.unique(ids)) != len(ids):
+        raise ModelLoadError(f"draft head {path!r}: d2t must map to distinct target ids below {vocab}")
 
 
 def shares_target_rotary(cfg: ModelConfig, target: ModelConfig) -> bool:
@@ -265,8 +278,7 @@ def load_eagle_head(path: str, target: LlamaForCausalLM, dtype: torch.dtype) -> 
         raise ModelLoadError(f"draft head {path!r}: config draft_vocab_size {k} does not match its d2t "
                              f"tensor ({None if d2t is None else list(d2t.shape)})")
     if d2t is not None:
-        if int(d2t.min()) < 0 or int(d2t.max()) >= t.vocab_size or len(set(d2t.tolist())) != len(d2t):
-            raise ModelLoadError(f"draft head {path!r}: d2t must hold distinct target ids below {t.vocab_size}")
+        check_draft_ids(d2t, t.vocab_size, path)
         head.set_draft_vocab(d2t, target)
     return head.eval()
 
