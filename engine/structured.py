@@ -84,6 +84,10 @@ class Grammars:
         self.stats = GrammarStats()
         self._lock = threading.Lock()
 
+    def cached(self, spec: StructuredOutputs) -> bool:
+        with self._lock:
+            return spec in self.cache
+
     def get(self, spec: StructuredOutputs):
         """The compiled grammar for `spec` (compiling it on a miss); GrammarError if it cannot be."""
         with self._lock:
@@ -91,7 +95,8 @@ class Grammars:
             if hit is not None:
                 self.cache.move_to_end(spec)
                 self.stats.hits += 1
-                return hit
+        if hit is not None:
+            return hit
         check(spec)
         t0 = time.perf_counter()
         try:

@@ -203,7 +203,7 @@ class _Common(_Strict):
     # neutral value is taken, any other is refused (no repetition penalty is implemented)
     repetition_penalty: Literal[1.0] | None = None
     # structured output (server/structured.py): OpenAI's response_format, vLLM's structured_outputs
-    # and its older guided_* fields
+    # and its guided_* fields
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
     guided_json: dict[str, Any] | NonEmpty | None = None
@@ -213,7 +213,7 @@ class _Common(_Strict):
 
 
 # One clear message for fields whose schema is a union (pydantic reports every branch) or
-# that only accept their "off" value for now.
+# that accept only their "off" value.
 FIELD_HELP = {
     "stop": f"stop must be a non-empty string or a list of up to {MAX_STOP} non-empty strings",
     "prompt": "prompt must be a string, a list of strings, a list of token ids (>= 0), or a list of such lists; "

@@ -88,12 +88,7 @@ def _field_spec(req: _Common) -> tuple[StructuredOutputs, str, str] | None:
 
 def _one(key: str, value, param: str) -> tuple[StructuredOutputs, str, str]:
     if key == "json":
-        if isinstance(value, str):
-            text = value
-        elif isinstance(value, dict):
-            text = _schema_text(value)
-        else:
-            raise ApiError(400, f"{param} must be a JSON Schema (an object, or its text)", param)
+        text = value if isinstance(value, str) else _schema_text(value)  # (pydantic admits a dict or its text)
         return _spec(param, json=text), param, "json_schema"
     if key == "json_object":
         return StructuredOutputs(json_object=True), param, "json_object"
@@ -251,7 +246,7 @@ class GrammarCompiler:
 
     def _get(self, spec: StructuredOutputs):
         grammars = self.llm.runner.grammars
-        if spec in grammars.cache:
+        if grammars.cached(spec):
             self.metrics.grammar_cache_hits.inc()
             return grammars.get(spec)
         t0 = time.perf_counter()
@@ -271,10 +266,7 @@ class GrammarCompiler:
         try:
             await asyncio.wait_for(loop.run_in_executor(self.pool, self._get, p.spec), timeout=self.timeout)
         except GrammarError as e:
-            param = p.param
-            if p.kind == "tool_required":  # a refusal the per-tool checks did not see: no one tool to name
-                param = "tools"
-            raise ApiError(400, _renamed(str(e), e.field, param), param) from None
+            raise ApiError(400, _renamed(str(e), e.field, p.param), p.param) from None
         except asyncio.TimeoutError:
             raise ApiError(400, f"{p.param}: the grammar took longer than {self.timeout:g} s to compile; simplify it",
                            p.param, "grammar_compile_timeout") from None
