@@ -184,14 +184,19 @@ def _raise(message: str):
 _TEMPLATES: dict[str, jinja2.Template] = {}
 
 
+def template_environment() -> jinja2.Environment:
+    """The sandboxed environment chat templates render in, as Hugging Face's."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _GenerationTag])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return env
+
+
 def _compile(source: str) -> jinja2.Template:
     if source not in _TEMPLATES:
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _GenerationTag])
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise
-        env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-        _TEMPLATES[source] = env.from_string(source)
+        _TEMPLATES[source] = template_environment().from_string(source)
     return _TEMPLATES[source]
 
 

@@ -9,6 +9,8 @@ from pathlib import Path
 import jinja2
 import jinja2.meta
 
+from eagle_serve.engine.tokenizer import template_environment
+
 TEMPLATES_DIR = Path(__file__).parent / "templates"
 
 
@@ -43,9 +45,9 @@ def renders_tools(template: str | None) -> bool:
     if not template:
         return False
     try:
-        ast = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+        ast = template_environment().parse(template)
     except jinja2.TemplateSyntaxError:
-        return "tools" in template  # (a template with custom tags: the word decides)
+        return True  # (it fails when rendered, with its own error)
     return "tools" in jinja2.meta.find_undeclared_variables(ast)
 
 

@@ -245,11 +245,13 @@ class LLM:
         prompts = []
         for c in conversations:
             messages = _messages(c)
-            if tools is not None or any(m.get("tool_calls") for m in messages):
-                from eagle_serve.server.chat_templates import renders_tools
-                if not renders_tools(self.tokenizer.chat_template):
-                    raise ValueError("this model's chat template does not render tools or tool calls; build the "
-                                     "LLM with chat_template='chatml_tools' (ChatML models) or a template file")
+            from eagle_serve.server.chat_templates import check_template_tools
+            from eagle_serve.server.protocol import ApiError
+            try:
+                check_template_tools(self.tokenizer.chat_template, tools, messages)
+            except ApiError:
+                raise ValueError("this model's chat template does not render tools or tool calls; build the "
+                                 "LLM with chat_template='chatml_tools' (ChatML models) or a template file") from None
             prompts.append(self.tokenizer.encode_chat(messages, tools=tools))
         return self.generate(prompts, params, sampling_params=sampling_params)
 
