@@ -21,11 +21,13 @@ from eagle_serve.engine.model_config import ModelConfig
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, in_features: int | None = None):
+        """in_features: the width q, k and v are projected from (default: the hidden size; an
+        EAGLE-3 draft layer's is twice it)."""
         super().__init__()
         self.layer = layer
         self.cfg = cfg
-        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        self.qkv_proj = Linear(in_features or cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:  # Qwen3: each head's query and key RMS-normalised (one weight over head_dim)
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)

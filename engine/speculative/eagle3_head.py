@@ -43,23 +43,13 @@ LAYER_WEIGHTS = ("input_layernorm.weight", "hidden_norm.weight", "post_attention
 REQUIRED_WEIGHTS = ("fc.weight", "norm.weight", "lm_head.weight") + tuple("midlayer." + w for w in LAYER_WEIGHTS)
 
 
-class Eagle3Attention(Attention):
-    """The engine's attention with q/k/v over the 2h-wide [embedding ; hidden] input."""
-
-    def __init__(self, cfg: ModelConfig):
-        nn.Module.__init__(self)
-        self.layer, self.cfg = 0, cfg
-        self.qkv_proj = Linear(2 * cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
-
-
 class Eagle3Layer(nn.Module):
     def __init__(self, cfg: ModelConfig, norm_before_residual: bool):
         super().__init__()
         self.norm_before_residual = norm_before_residual
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # of the token embedding
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # of the fused hidden x
-        self.self_attn = Eagle3Attention(cfg)
+        self.self_attn = Attention(cfg, 0, in_features=2 * cfg.hidden_size)  # over [embedding ; hidden]
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
