@@ -26,6 +26,10 @@ every step so a crash or a timeout still leaves the steps done so far. Sections:
                 (1..256), batch 1 and 8, graphs on and off: where verification stops being free
   families      Qwen3, Qwen3-MoE (scaled to fit) and Gemma 3 1B at their real shapes, bf16
                 (bench/bench_families.py): plain and oracle-drafted decoding, outputs equal to plain
+  fp8           an FP8 model (every decoder linear's weights e4m3 with a scale per output channel, as an
+                FP8-dynamic checkpoint loads on a GPU with FP8 matmul; Llama-3-8B shaped, tiny with
+                --quick): greedy oracle-drafted decoding == plain greedy, and decode tok/s against the
+                same model in --dtype at batch 1 and 16 (engine/fp8.py; skipped below capability 8.9)
   draft_cost    the tree budget's start-up profile (engine.profile.profile_costs) with a random
                 EAGLE-2 head at the default tree (SpecConfig("eagle2"): 24 tokens, depth 5, top-k
                 4): a drafting round at full depth and at depth 1 by drafting sequences, against
@@ -83,7 +87,7 @@ ATTENTION = [None]  # --attention, for every engine built here
 SHARES = {"correctness": 0.13, "backends": 0.07, "kv_sizing": 0.07,
           "throughput": {"smollm2-135m": 0.14, "llama3-8b": 0.27, "tiny": 0.2},
           "verify_curve": {"smollm2-135m": 0.09, "llama3-8b": 0.19, "tiny": 0.1},
-          "draft_cost": {"smollm2-135m": 0.06, "llama3-8b": 0.1, "tiny": 0.1}, "families": 0.15}
+          "draft_cost": {"smollm2-135m": 0.06, "llama3-8b": 0.1, "tiny": 0.1}, "families": 0.15, "fp8": 0.2}
 
 
 # ---------------------------------------------------------------- models
@@ -182,13 +186,16 @@ def random_eagle3_head(cfg: ModelConfig, dtype: torch.dtype, device: torch.devic
 
 def build_runner(name: str, cfg: ModelConfig, dtype: str, device: str, kv_tokens: int | None, max_seqs: int,
                  token_sizes=None, std: float = 0.02, seed: int = 0, peaked: bool = False,
-                 aux_layers: tuple[int, ...] = (), **engine) -> ModelRunner:
+                 aux_layers: tuple[int, ...] = (), prepare=None, **engine) -> ModelRunner:
     """aux_layers: the target returns these layers' streams too (an EAGLE-3 head's), set before
-    the CUDA graphs are captured so the captured outputs carry them."""
+    the CUDA graphs are captured so the captured outputs carry them. prepare: called with the
+    model last, before the runner is built (fp8: quantize_fp8_)."""
     net = random_model(cfg, getattr(torch, dtype), torch.device(device), seed, std)
     net.set_aux_layers(aux_layers)
     if peaked:
         peak_(net, seed)
+    if prepare is not None:
+        prepare(net)
     if ATTENTION[0] is not None:
         engine = {**engine, "attention": ATTENTION[0]}
     loaded = LoadedModel(net, cfg, None, frozenset(), name, "")
@@ -781,6 +788,158 @@ def free_until(rows: list[dict]) -> dict:
     return out
 
 
+# ---------------------------------------------------------------- FP8 weights
+
+def quantize_fp8_(net: LlamaForCausalLM) -> int:
+    """Every decoder linear of `net` (q/k/v, o, gate/up, down) to FP8 e4m3 weights with a scale
+    per output channel, in place, as an FP8-dynamic checkpoint loads on a GPU with FP8 matmul
+    (engine/fp8.py); the LM head stays as it is. Returns how many linears."""
+    from eagle_serve.engine import fp8
+    from eagle_serve.engine.layers import Linear
+    count = 0
+    for m in net.model.layers.modules():
+        if isinstance(m, Linear) and m.weight.shape[0] % 16 == 0 and m.weight.shape[1] % 16 == 0:
+            fp8.quantize_(m)
+            count += 1
+    return count
+
+
+def fp8_product_check(dev: torch.device, dtype: torch.dtype) -> list[dict]:
+    """engine.fp8.scaled (the _scaled_mm call FP8 linears make) against engine.fp8.emulate (the
+    same FP8 operands in float64) at row counts that need padding and not, per mode this device
+    runs ("rowwise" needs bf16 inputs); an error recorded where _scaled_mm does not run."""
+    from eagle_serve.engine import fp8
+    rows = []
+    modes = ["rowwise", "tensorwise"] if dtype == torch.bfloat16 else ["tensorwise"]
+    gen = torch.Generator().manual_seed(5)
+    k, n = 256, 384
+    w = (torch.randn(n, k, generator=gen) * 2).to(fp8.FP8).to(dev)
+    scale = (torch.rand(n, generator=gen) * 0.01 + 0.001).to(dev)
+    bias = torch.randn(n, generator=gen).to(dev, dtype)
+    for mode in modes:
+        for m in (1, 5, 16, 37):
+            x = torch.randn(m, k, generator=gen).to(dev, dtype)
+            try:
+                got = fp8.scaled(x, w, scale, bias, mode).double()
+                emu = fp8.emulate(x, w, scale, bias)
+                err = ((got - emu).abs().max() / emu.abs().max()).item()
+                tol = 1e-2 if dtype == torch.bfloat16 else 1e-5  # the output's rounding
+                rows.append({"mode": mode, "rows": m, "k": k, "n": n, "max_rel_err": err, "tolerance": tol,
+                             "ok": err <= tol})
+            except Exception as e:  # noqa: BLE001: recorded (the model runs then use what probe found)
+                rows.append({"mode": mode, "rows": m, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+    return rows
+
+
+def step_fp8(args, deadline) -> dict:
+    """An FP8 model (quantize_fp8_ of the peaked random model) against the same model in
+    args.dtype: greedy oracle-drafted decoding equal to plain greedy (FP8), decode tok/s of
+    both, plain, at each batch; and the _scaled_mm product itself against its float64 emulation
+    (fp8_product_check). On the CPU (--quick) the model runs the dequantizing reference product;
+    the product check runs torch's CPU _scaled_mm where this torch has one."""
+    from eagle_serve.engine import fp8
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not fp8.fp8_matmul_available(dev):
+        cap = torch.cuda.get_device_capability(dev)
+        return {"status": "skipped", "reason": f"compute capability {cap[0]}.{cap[1]} < 8.9: FP8 checkpoints "
+                                               f"load dequantized here (no FP8 matmul)"}
+    name = args.fp8_model
+    cfg = model_config(name, 2048)
+    dtype = getattr(torch, args.dtype)
+    tree, accept = 8, 3
+    kv = max(args.batches) * (args.prompt_len + args.max_new + 80 + BLOCK) + 4 * BLOCK
+    rng = random.Random(4)
+    prompts = {b: [[rng.randrange(cfg.vocab_size) for _ in range(args.prompt_len)] for _ in range(b)]
+               for b in args.batches}
+    seq = Seq()
+    seq.next = 70_000
+    rows: list[dict] = []
+    out = {"model": name, "dtype": args.dtype, "tree_tokens": tree, "accept_set": accept, "rows": rows,
+           "prompt_len": args.prompt_len, "max_new": args.max_new}
+    counted = {}
+    out["product_check"] = fp8_product_check(dev, dtype)
+
+    def timed(runner, batch, ref=None) -> dict:
+        """A short untimed run (captures this config's graphs), then the timed one; with `ref`,
+        oracle-drafted from these reference outputs."""
+        res = None
+        for warm in (True, False):
+            base = seq(batch)
+            if ref is None:
+                use(runner, NoDrafter(), SpecConfig("none"))
+            else:
+                use(runner, OracleDrafter({base + i: ref[i] for i in range(batch)}, accept, tree, cfg.vocab_size),
+                    SpecConfig("ngram", total_tokens=tree, depth=tree - 1))
+            res = generate(runner, prompts[batch], min(args.max_new, tree + 3) if warm else args.max_new, base)
+        return res
+
+    def report_row(row: dict) -> None:
+        rows.append(row)
+        print(f"  fp8 {name} {row['weights']:8s} batch {row['batch']:3d} {row['mode']:20s} {row['tok_s']:9.1f} tok/s "
+              f"{'equal=' + str(row['equal_to_plain']) if 'equal_to_plain' in row else ''}", flush=True)
+
+    refs = {}
+    for weights in ("fp8", args.dtype):
+        if deadline.expired():
+            out["stopped_early"] = f"time limit before the {weights} model"
+            break
+
+        def prepare(net):  # FP8 weights, and the product's kind found before any forward (graphs bake it in)
+            counted["linears"] = quantize_fp8_(net)
+            counted["product"] = fp8.probe(next(net.parameters()).device, dtype)
+        runner = build_runner(name, cfg, args.dtype, args.device, kv_tokens=kv, max_seqs=max(args.batches),
+                              peaked=True, prepare=prepare if weights == "fp8" else None)
+        if weights == "fp8":
+            out["linears_fp8"] = counted["linears"]
+            out["product"] = counted["product"]  # rowwise / tensorwise _scaled_mm, or reference
+            out["fp8_weight_bytes"] = sum(m.fp8_weight.numel() + 4 * m.fp8_scale.numel()
+                                          for m in runner.model.modules() if getattr(m, "fp8_weight", None) is not None)
+        for batch in args.batches:
+            if deadline.expired():
+                out["stopped_early"] = f"time limit at the {weights} model, batch {batch}"
+                break
+            if graphs_available(runner):
+                precapture(runner, batch, args.prompt_len, args.prompt_len + args.max_new + tree, tree)
+            plain = timed(runner, batch)
+            row = {"weights": weights, "batch": batch, "mode": "plain", "tok_s": plain["tok_s"],
+                   "decode_s": plain["decode_s"]}
+            if weights == "fp8":
+                refs[batch] = plain["outputs"]
+                spec = timed(runner, batch, ref=plain["outputs"])
+                div = first_divergence(spec["outputs"], plain["outputs"])
+                report_row(row)
+                row = {"weights": weights, "batch": batch, "mode": f"oracle-accept{accept}-t{tree}",
+                       "tok_s": spec["tok_s"], "decode_s": spec["decode_s"], "accept_len": spec["accept_len"],
+                       "equal_to_plain": div is None, "first_divergence": div}
+            elif batch in refs:  # information: where the float model's greedy output leaves the FP8 one's
+                row["first_divergence_from_fp8"] = first_divergence(plain["outputs"], refs[batch])
+            report_row(row)
+        del runner
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    speed = {}
+    for batch in args.batches:
+        f = next((r for r in rows if r["weights"] == "fp8" and r["batch"] == batch and r["mode"] == "plain"), None)
+        b = next((r for r in rows if r["weights"] == args.dtype and r["batch"] == batch), None)
+        if f and b and f["tok_s"] and b["tok_s"]:
+            speed[f"batch{batch}"] = {"fp8_tok_s": f["tok_s"], f"{args.dtype}_tok_s": b["tok_s"],
+                                      "fp8_speedup": f["tok_s"] / b["tok_s"]}
+    out["plain_decode"] = speed
+    checked = [r for r in rows if "equal_to_plain" in r]
+    out["all_equal_to_plain"] = bool(checked) and all(r["equal_to_plain"] for r in checked)
+    products_ok = all(r.get("ok", True) for r in out["product_check"])
+    out["status"] = ("failed" if not out["all_equal_to_plain"] or not products_ok else
+                     "partial" if "stopped_early" in out else "ok")
+    if out["status"] == "ok" and dev.type == "cuda" and out.get("product") == "reference":
+        out["status"], out["note"] = "partial", "no _scaled_mm product ran here: the FP8 model dequantized on every call"
+    if not products_ok:
+        out["error"] = "torch._scaled_mm is off its float64 emulation (see product_check)"
+    elif out["status"] == "failed":
+        out["error"] = "FP8 oracle-drafted greedy != FP8 plain greedy (see rows)" if checked else "no FP8 run finished"
+    return out
+
+
 # ---------------------------------------------------------------- running steps under limits
 
 class Deadline:
@@ -949,6 +1108,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--attention", default=None, help="the engines' attention backend for eager forwards "
                                                        "(EngineConfig.attention; default: the engine's auto)")
+    ap.add_argument("--fp8-model", default=None, help="the fp8 step's shape (default llama3-8b; quick tiny)")
     ap.add_argument("--skip", default="", help="comma-separated sections to skip")
     args = ap.parse_args(argv)
     q = args.quick
@@ -957,7 +1117,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             "accepts": "1,2" if q else "1,2,3,4", "tree_tokens": "4" if q else "8,24",
             "prompt_len": 8 if q else 96, "max_new": 8 if q else 128, "verify_batches": "1,2" if q else "1,8",
             "verify_grid": "1,2,4,8" if q else ",".join(map(str, VERIFY_GRID)), "context": 32 if q else 512,
-            "repeats": 1 if q else 5}
+            "repeats": 1 if q else 5, "fp8_model": "tiny" if q else "llama3-8b"}
     for k, v in fill.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -965,7 +1125,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for k in ("batches", "accepts", "tree_tokens", "verify_batches", "verify_grid"):
         setattr(args, k, ints(getattr(args, k)))
     args.skip = set(s for s in args.skip.split(",") if s)
-    unknown = [m for m in args.models if m not in SHAPES]
+    unknown = [m for m in args.models + [args.fp8_model] if m not in SHAPES]
     if unknown:
         ap.error(f"unknown models {unknown}; known: {list(SHAPES)}")
     return args
@@ -1040,6 +1200,10 @@ def main(argv=None) -> int:
         report.data["families"] = {"status": "skipped", "reason": "--skip"}
     else:
         report.run(["families"], share("families"), step_families, args)
+    if "fp8" in args.skip:
+        report.data["fp8"] = {"status": "skipped", "reason": "--skip"}
+    else:
+        report.run(["fp8"], share("fp8"), step_fp8, args)
     for section in ("throughput", "verify_curve", "draft_cost"):
         states = [m.get("status") for m in report.data[section]["models"].values()]
         report.data[section]["status"] = ("ok" if states and all(s == "ok" for s in states) else
@@ -1049,7 +1213,7 @@ def main(argv=None) -> int:
     report.data["total_s"] = round(time.perf_counter() - t_start, 1)
     report.write()
     summary = {k: report.data[k].get("status") for k in ("correctness", "backends", "kv_sizing", "throughput",
-                                                         "verify_curve", "draft_cost", "families")}
+                                                         "verify_curve", "draft_cost", "families", "fp8")}
     print(json.dumps({"summary": summary, "total_s": report.data["total_s"], "chart": report.data["chart"],
                       "json": report.path}), flush=True)
     return 0 if all(s in ("ok", "skipped") for s in summary.values()) else 1

@@ -8,6 +8,7 @@ from eagle_serve.engine.speculative.eagle3_config import is_eagle3_dir
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 DEVICES = ("auto", "cpu", "cuda")
+QUANTIZATIONS = ("auto", "none", "int8")
 # auto: flash on CUDA when flash-attn imports (else torch), native on the CPU where its kernels
 # build (else torch); see engine.attention.make_backend
 ATTENTIONS = ("auto", "torch", "native", "flash")
@@ -32,6 +33,9 @@ def env_flag(value: str) -> bool | None:
 class EngineConfig:
     model: str | None = None  # None: the embedded default model
     dtype: str = "auto"  # auto: bfloat16 where the CPU has native bf16 (measured fastest), else float32
+    # one of QUANTIZATIONS (engine/loader.py load_model): auto keeps a GGUF file's block-quantized
+    # weights quantized on the CPU, none dequantizes them, int8 quantizes an HF checkpoint to Q8_0
+    quantization: str = "auto"
     device: str = "auto"
     attention: str = "auto"  # one of ATTENTIONS; flash reads the cache in place with block_size 256
     block_size: int = 16
@@ -78,6 +82,8 @@ class EngineConfig:
         if self.draft_quantization != "auto" and not spec.uses_head:
             raise ValueError(f"draft_quantization {self.draft_quantization!r} applies to an EAGLE draft head "
                              f"(spec {spec.method!r} has none)")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.device not in DEVICES and not self.device.startswith("cuda:"):

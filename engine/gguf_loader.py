@@ -1,7 +1,10 @@
 """GGUF files of the llama, qwen3 and qwen3moe architectures: config, tokenizer and
 dequantized weights.
 
-Weights are dequantized at load with the `gguf` package. For llama, llama.cpp's converter
+Weights of the block types the native CPU kernels multiply (engine/quant.py: Q8_0, Q4_0, Q4_1,
+Q4_K, Q6_K) stay in their blocks where `keep_quantized` is set (the CPU with native kernels):
+the loader yields them as `QuantTensor`s. Other types, and every weight where it is not set, are
+dequantized to float32 with the `gguf` package (a log line names the quantized types that are). For llama, llama.cpp's converter
 permutes the rows of the Q and K projections from Hugging Face's rotate-half RoPE layout into its
 interleaved layout; `unpermute` undoes it so the weights fit this engine's (HF) RoPE. qwen3 and
 qwen3moe run llama.cpp's rotate-half (NEOX) RoPE, so their rows are stored in HF's order and
@@ -11,6 +14,7 @@ read as they are. A qwen3moe file stores each layer's experts as one 3D tensor p
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from collections.abc import Iterator
 
@@ -19,6 +23,10 @@ import torch
 
 from eagle_serve.engine.model_config import ModelConfig, UnsupportedModel
 from eagle_serve.engine.model_files import ModelLoadError
+from eagle_serve.engine.quant import BLOCK_TYPES, QuantTensor
+
+log = logging.getLogger(__name__)
+PLAIN_TYPES = ("F32", "F16", "BF16")  # float tensors: read at the model's dtype, nothing to say
 
 LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -144,10 +152,13 @@ def unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def gguf_tensors(reader, cfg: dict, path: str = "GGUF") -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) for every weight in the file."""
+def gguf_tensors(reader, cfg: dict, path: str = "GGUF",
+                 keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
+    """(HF name, float32 tensor) for every weight in the file; with keep_quantized, a
+    `QuantTensor` for every 2D weight of a type in quant.BLOCK_TYPES (module doc)."""
     from gguf.quants import dequantize
     permuted = cfg["architectures"] == ["LlamaForCausalLM"]  # (module doc)
+    dequantized: dict[str, int] = {}
     for t in reader.tensors:
         base, _, suffix = t.name.rpartition(".")
         parts = base.split(".")
@@ -159,6 +170,16 @@ def gguf_tensors(reader, cfg: dict, path: str = "GGUF") -> Iterator[tuple[str, t
             name = f"{TOP_NAMES[base]}.{suffix}"
         else:
             continue  # rope_freqs: read into the config's rope scaling (gguf_config)
+        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dimensions innermost first
+        if keep_quantized and int(t.tensor_type) in BLOCK_TYPES and name is not None and len(shape) == 2:
+            q = QuantTensor.from_raw(int(t.tensor_type), t.data, shape)
+            if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = cfg["num_attention_heads"] if name.endswith("q_proj.weight") else cfg["num_key_value_heads"]
+                q = q.take_rows(unpermute(torch.arange(shape[0]), heads))
+            yield name, q
+            continue
+        if t.tensor_type.name not in PLAIN_TYPES:
+            dequantized[t.tensor_type.name] = dequantized.get(t.tensor_type.name, 0) + 1
         try:
             w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))  # own, writable copy
         except NotImplementedError:  # a type the gguf package cannot unpack: named, not its traceback
@@ -176,6 +197,10 @@ def gguf_tensors(reader, cfg: dict, path: str = "GGUF") -> Iterator[tuple[str, t
         elif permuted and name.endswith("k_proj.weight"):
             w = unpermute(w, cfg["num_key_value_heads"])
         yield name, w
+    if dequantized:
+        log.info("%s: dequantized at load: %s", os.path.basename(path), ", ".join(
+            f"{n} {kind} tensors" for kind, n in sorted(dequantized.items())) + (
+            "" if keep_quantized else " (the kept-quantized path needs the CPU with native kernels)"))
 
 
 def gguf_tokenizer_dir(path: str, cache_root: str) -> str:
@@ -195,7 +220,7 @@ def gguf_tokenizer_dir(path: str, cache_root: str) -> str:
     return out
 
 
-def load_gguf(path: str) -> tuple[ModelConfig, dict, Iterator[tuple[str, torch.Tensor]]]:
+def load_gguf(path: str, keep_quantized: bool = False) -> tuple[ModelConfig, dict, Iterator[tuple[str, torch.Tensor]]]:
     reader = _reader(path)
     cfg = gguf_config(reader, path)
-    return ModelConfig.from_hf(cfg, path), cfg, gguf_tensors(reader, cfg, path)
+    return ModelConfig.from_hf(cfg, path), cfg, gguf_tensors(reader, cfg, path, keep_quantized)

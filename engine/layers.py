@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle_serve.engine import hugepages, kernels
+from eagle_serve.engine import fp8, hugepages, kernels, quant
 
 
 FAST_DTYPES = (torch.float32, torch.bfloat16)
@@ -28,6 +28,10 @@ INT8_MAX_ROWS = 4
 # instruction keep them ahead of bf16 up to a draft level of several sequences (bench/bench_spec.py
 # --draft-quantization w8a8 --compare-quantization int8).
 W8A8_MAX_ROWS = 16
+# Up to how many rows GGUF block weights go to the native kernel (a weight row dequantized once,
+# a float32 dot product for each input row); more rows dequantize tiles for float32 BLAS
+# (quant.matmul). Picked by bench/bench_quantized.py --kernels.
+GGUF_MAX_ROWS = 16
 
 
 def packed_max_rows(in_features: int, wide: bool = True) -> int:
@@ -87,10 +91,29 @@ class Linear(nn.Module):
         self.int8_weight: torch.Tensor | None = None  # quantize_int8's weights (draft heads)
         self.int8_max_rows = 0  # inputs up to this many rows go to them
         self.bucket_rows = False  # oneDNN products round their rows up to onednn_rows' buckets
+        self.gguf_weight: torch.Tensor | None = None  # GGUF blocks kept quantized (set_gguf)
+        # FP8 checkpoints on GPUs with FP8 matmul (engine/fp8.py): float8_e4m3fn [N, K] and float32 [N];
+        # `weight` is then a NaN placeholder of its shape that takes no memory
+        self.fp8_weight: torch.Tensor | None = None
+        self.fp8_scale: torch.Tensor | None = None
+
+    def set_gguf(self, packed: torch.Tensor, dtype: torch.dtype) -> None:
+        """Hold quantized GGUF blocks (engine/quant.py's packed weight) instead of a dense weight:
+        `weight` keeps the shape and dtype and holds no memory (quant.placeholder)."""
+        if quant.packed_shape(packed) != tuple(self.weight.shape):
+            raise ValueError(f"packed weight of shape {quant.packed_shape(packed)} for a linear of {tuple(self.weight.shape)}")
+        self.gguf_weight = packed
+        self.weight = nn.Parameter(quant.placeholder(tuple(self.weight.shape), dtype), requires_grad=False)
 
     def prepack(self, native: bool = True) -> bool:
         w = self.weight
         self.int8_weight, self.int8_max_rows = None, 0
+        if self.gguf_weight is not None:  # products of up to GGUF_MAX_ROWS rows by the block kernel
+            self._skinny = kernels.skinny_linear() if native and w.dtype in FAST_DTYPES else None
+            self.native_weight = self.gguf_weight if self._skinny is not None else None
+            self.native_max_rows = self.prompt_max_rows = GGUF_MAX_ROWS if self._skinny is not None else 0
+            self._packed, self.native_all_rows = None, False
+            return self._skinny is not None
         if w.device.type != "cpu" or w.dtype not in FAST_DTYPES:
             return False
         self._skinny = kernels.skinny_linear() if native else None
@@ -118,7 +141,7 @@ class Linear(nn.Module):
         module's int8_inputs_available()). Needs the native kernels and out_features % 64 == 0;
         returns whether it applied."""
         mod = kernels.native()
-        if (self._skinny is None or mod is None or not hasattr(mod, "pack_int8")
+        if (self._skinny is None or mod is None or not hasattr(mod, "pack_int8") or self.gguf_weight is not None
                 or self.weight.shape[0] % 64 or self.weight.shape[1] == 0
                 or not bool(torch.isfinite(self.weight).all())):  # a NaN / inf has no int8 scale
             return False
@@ -139,9 +162,13 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor, float_out: bool = False) -> torch.Tensor:
         """float_out: return float32 (where the native kernel runs, straight from its float32
         accumulator, not rounded through the weight dtype)."""
+        if self.fp8_weight is not None:
+            return fp8.linear(self, x, float_out)
         w = self.native_for(x.shape[0])
         if w is not None:
             return self._skinny(x.contiguous(), w, self.bias, float_out)
+        if self.gguf_weight is not None:
+            return quant.matmul(x, self.gguf_weight, self.bias, float_out)
         if self._packed is not None:
             rows = x.shape[0]
             pad = onednn_rows(rows) - rows if self.bucket_rows and x.dim() == 2 else 0
@@ -152,23 +179,35 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-def weights_to_arena(linears: list["Linear"]) -> int:
-    """Move the prepacked native weights (and int8 weights) of `linears` into one huge-page arena
-    (engine.hugepages): a decode step streams them all, about 66,000 pages a step in 4 KiB pages.
-    Call after prepack / quantize_int8 and before a
-    native stack takes the tensors. Weights that are the module's own `weight` (the row layout)
-    stay where they are. Returns the bytes moved."""
+def weights_to_arena(linears: list["Linear"], also: tuple = ()) -> int:
+    """Move the prepacked native weights (and int8 weights, and GGUF blocks) of `linears` into one
+    huge-page arena (engine.hugepages): a decode step streams them all, about 66,000 pages a step
+    in 4 KiB pages. Call after prepack / quantize_int8 and before a native stack takes the tensors.
+    Weights that are the module's own `weight` (the row layout) stay where they are. `also`:
+    other modules holding GGUF blocks (a quantized embedding), which follow a block tensor they
+    share with a linear (a tied LM head). Returns the bytes moved."""
     if not hugepages.enabled():
         return 0
-    slots = []
+    slots, blocks = [], {}
     for m in linears:
+        if m.gguf_weight is not None:  # one copy however many modules hold it
+            blocks.setdefault(m.gguf_weight.data_ptr(), m.gguf_weight)
+            continue
         if m.native_weight is not None and m.native_weight.data_ptr() != m.weight.data_ptr():
             slots.append((m, "native_weight"))
         if m.int8_weight is not None:
             slots.append((m, "int8_weight"))
-    moved = hugepages.arena([getattr(m, a) for m, a in slots])
+    moved = hugepages.arena([getattr(m, a) for m, a in slots] + list(blocks.values()))
     for (m, a), t in zip(slots, moved):
         setattr(m, a, t)
+    new_blocks = dict(zip(blocks, moved[len(slots):]))
+    for m in [*linears, *also]:
+        w = getattr(m, "gguf_weight", None)
+        if w is not None and w.data_ptr() in new_blocks:
+            t = new_blocks[w.data_ptr()]
+            if getattr(m, "native_weight", None) is w:
+                m.native_weight = t
+            m.gguf_weight = t
     return sum(t.numel() * t.element_size() for t in moved)
 
 

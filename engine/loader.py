@@ -7,6 +7,7 @@ into this engine's layout and checks that every parameter was filled exactly onc
 from __future__ import annotations
 
 import glob
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -14,15 +15,20 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from eagle_serve.engine import fp8, kernels, quant
+from eagle_serve.engine.config import QUANTIZATIONS
 from eagle_serve.engine.default_model import MODEL_NAME, cache_dir, default_model_path
 from eagle_serve.engine.gguf_loader import gguf_tokenizer_dir, load_gguf
 from eagle_serve.engine.model_config import ModelConfig
 from eagle_serve.engine.model_files import ModelLoadError, read_json
+from eagle_serve.engine.layers import Linear
 from eagle_serve.engine.models.gemma3 import Gemma3ForCausalLM
 from eagle_serve.engine.models.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
     from eagle_serve.engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -45,18 +51,40 @@ def resolve_model_path(model: str | None) -> str:
 
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
-               skip_tokenizer: bool = False) -> LoadedModel:
+               skip_tokenizer: bool = False, quantization: str = "auto") -> LoadedModel:
+    """quantization (QUANTIZATIONS): auto keeps a GGUF file's block-quantized weights in their
+    blocks on the CPU where the native kernels run (engine/quant.py), none dequantizes them to
+    `dtype`, int8 quantizes a Hugging Face checkpoint's linears to Q8_0 blocks at load."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     path = resolve_model_path(model)
+    blocks = quantization != "none" and device.type == "cpu" and kernels.native() is not None
+    if quantization == "int8" and not blocks:
+        raise ModelLoadError("quantization int8 runs on the CPU with the native kernels (engine/kernels), "
+                             "which are not available here")
     if os.path.isdir(path):
         cfg, raw, tensors, tok_dir = _hf_source(path)
     elif path.endswith(".gguf"):
-        cfg, raw, tensors = load_gguf(path)
+        if quantization == "int8":
+            raise ModelLoadError(f"{path}: quantization int8 quantizes a Hugging Face checkpoint; a GGUF file "
+                                 f"keeps its own quantization (quantization auto)")
+        cfg, raw, tensors = load_gguf(path, keep_quantized=blocks)
         tok_dir = None if skip_tokenizer else gguf_tokenizer_dir(path, cache_dir())
     else:
         raise ModelLoadError(f"{path}: not a directory and not a .gguf file")
     net = model_class(cfg)(cfg)
+    fp8.keep_on(tensors, net, device, dtype)  # FP8 checkpoints: which weights stay FP8 (CUDA, capability >= 8.9)
     load_weights(net, tensors, dtype)
+    fp8.attach(tensors, net, device)
+    if quantization == "int8":
+        quantize_linears(net, dtype)
     net.to(device)
+    held = quant.quantized_bytes(net)
+    if held:
+        dense = sum(p.numel() * p.element_size() for p in net.parameters() if p.is_contiguous())
+        log.info("start-up: weights: %.1f MiB in quantized blocks (%s) + %.1f MiB dense", held / 2**20,
+                 ", ".join(sorted({t for m in net.modules() if quant.is_quantized(m)
+                                   for t in quant.packed_types(m.gguf_weight)})), dense / 2**20)
     tokenizer = None
     if not skip_tokenizer:  # imported here: the engine itself runs without jinja2 / tokenizers
         from eagle_serve.engine.tokenizer import Tokenizer
@@ -80,15 +108,14 @@ def _hf_source(path: str):
     raw = read_json(cfg_file)
     cfg = ModelConfig.from_hf(raw, cfg_file)
     quant = raw.get("quantization_config")
-    if quant:  # its weights are not plain tensors of the config's shapes (fp8 / int ones would be cast as if)
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
-        raise ModelLoadError(f"{cfg_file}: quantized checkpoints (quant_method {method!r}) are not supported; "
-                             f"use an unquantized one or a GGUF file")
+    # FP8 ones load (engine/fp8.py); any other is refused: its tensors are not plain weights of the config's shapes
+    scheme = fp8.scheme(quant, cfg_file) if quant else None
     files = _weight_files(path)
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors weight files (pytorch_model.bin is not loaded; "
                              f"convert it to safetensors)")
-    return cfg, raw, _safetensors(files), path
+    tensors = _safetensors(files)
+    return cfg, raw, fp8.Fp8Weights(tensors, scheme, path) if scheme else tensors, path
 
 
 def _weight_files(path: str) -> list[str]:
@@ -133,6 +160,23 @@ def load_weights(net: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tenso
         net.lm_head.weight = net.model.embed_tokens.weight
     fill_parameters(net, ((n, w) for n, w in tensors
                           if "rotary_emb" not in n and not (tied and n == "lm_head.weight")), dtype, "the checkpoint")
+    if tied and quant.is_quantized(net.model.embed_tokens):  # the LM head multiplies the same blocks
+        net.lm_head.set_gguf(net.model.embed_tokens.gguf_weight, dtype)
+
+
+def quantize_linears(net: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Every dense Linear of `net` (in_features a multiple of 32) as Q8_0 blocks (quantization int8)."""
+    for m in net.modules():
+        if isinstance(m, Linear) and not quant.is_quantized(m) and m.weight.shape[1] % 32 == 0:
+            m.set_gguf(quant.pack([quant.quantize_q8_0(m.weight.data)]), dtype)
+
+
+def _fuse(parts: list) -> torch.Tensor | list:
+    """Fused q/k/v or gate/up from their parts: the QuantTensors to pack where every part is
+    one, else one float tensor (quantized parts among float ones dequantized)."""
+    if all(isinstance(p, quant.QuantTensor) for p in parts):
+        return parts
+    return torch.cat([p.dequantize() if isinstance(p, quant.QuantTensor) else p for p in parts], 0)
 
 
 def fill_parameters(module: torch.nn.Module, tensors: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype,
@@ -150,19 +194,38 @@ def fill_parameters(module: torch.nn.Module, tensors: Iterator[tuple[str, torch.
             pending.setdefault(target, {})[index] = w
             if len(pending[target]) < (3 if fused == "qkv_proj" else 2):
                 continue
-            w = torch.cat([part for _, part in sorted(pending.pop(target).items())], 0)  # q,k,v / gate,up
+            w = _fuse([part for _, part in sorted(pending.pop(target).items())])  # q,k,v / gate,up
             name = target
         if name not in params or name in filled:
             raise ModelLoadError(f"unexpected weight {name!r} in {where}")
         p = params[name]
-        if tuple(p.shape) != tuple(w.shape):
-            raise ModelLoadError(f"weight {name!r} in {where} has shape {tuple(w.shape)}, the config implies "
+        if isinstance(w, quant.QuantTensor):
+            w = [w]
+        shape = (sum(q.shape[0] for q in w), w[0].shape[1]) if isinstance(w, list) else tuple(w.shape)
+        if tuple(p.shape) != shape:
+            raise ModelLoadError(f"weight {name!r} in {where} has shape {shape}, the config implies "
                                  f"{tuple(p.shape)}")
-        p.data = w.to(dtype).contiguous()
+        if isinstance(w, list):
+            _set_quantized(module, name, quant.pack(w), dtype, where)
+        else:
+            p.data = w.to(dtype).contiguous()
         filled.add(name)
     missing = sorted(set(params) - filled) + sorted(pending)
     if missing:
         raise ModelLoadError(f"weights missing from {where}: {missing[:8]}")
+
+
+def _set_quantized(module: torch.nn.Module, name: str, packed: torch.Tensor, dtype: torch.dtype, where: str) -> None:
+    """Give the Linear or embedding that owns parameter `name` the packed quantized blocks."""
+    path, _, leaf = name.rpartition(".")
+    owner = module.get_submodule(path)
+    if leaf == "weight" and isinstance(owner, Linear):
+        owner.set_gguf(packed, dtype)
+    elif leaf == "weight" and type(owner) is torch.nn.Embedding:
+        parent, _, attr = path.rpartition(".")
+        setattr(module.get_submodule(parent) if parent else module, attr, quant.QuantizedEmbedding(packed, dtype))
+    else:
+        raise ModelLoadError(f"weight {name!r} in {where} is block-quantized where this engine takes only a dense one")
 
 
 def _eos_ids(raw: dict, hf_dir: str | None, tokenizer: Tokenizer | None) -> frozenset[int]:

@@ -78,7 +78,7 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.loaded: LoadedModel = loaded if loaded is not None else load_model(
-            config.model, self.dtype, self.device, config.skip_tokenizer)
+            config.model, self.dtype, self.device, config.skip_tokenizer, config.quantization)
         self.model = self.loaded.model
         self.num_prepacked = self.model.prepack() if self.device.type == "cpu" else 0
         cfg = self.loaded.config

@@ -7,7 +7,7 @@ import os
 import sys
 import time
 
-from eagle_serve.engine.config import ATTENTIONS, DEVICES, DRAFT_QUANTIZATIONS, DTYPES, env_flag
+from eagle_serve.engine.config import ATTENTIONS, DEVICES, DRAFT_QUANTIZATIONS, DTYPES, QUANTIZATIONS, env_flag
 from eagle_serve.engine.speculative.config import METHOD_DEFAULTS, METHODS
 from eagle_serve.server.generation_config import DEFAULT_MODEL
 from eagle_serve.server.structured import COMPILE_TIMEOUT
@@ -60,6 +60,10 @@ def _add_engine_args(p: argparse.ArgumentParser, batch: bool = True) -> None:
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="weights' and activations' dtype; auto: bfloat16 on CUDA and on CPUs with bf16 dot "
                         "products or the native kernels, else float32")
+    p.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
+                   help="auto: a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K weights stay in their blocks on the "
+                        "CPU (native kernels; other types are dequantized); none: dequantize every weight to "
+                        "--dtype; int8: quantize a Hugging Face checkpoint's linears to Q8_0 blocks at load")
     p.add_argument("--device", default="auto",
                    help=f"one of {', '.join(DEVICES)} or cuda:N; auto: cuda when torch sees a GPU, else cpu")
     p.add_argument("--attention", default="auto", choices=ATTENTIONS,
@@ -468,7 +472,7 @@ def engine_kwargs(args) -> dict:
     return dict(tree_budget=not args.fixed_tree, draft_quantization=args.draft_quantization, enable_prefix_caching=not args.no_prefix_caching, attention=args.attention,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_prefill_chunk=args.max_prefill_chunk, cuda_graphs=not args.no_cuda_graphs,
-                gpu_memory_utilization=args.gpu_memory_utilization)
+                gpu_memory_utilization=args.gpu_memory_utilization, quantization=args.quantization)
 
 
 def spec_config(args, draft: str | None = None):

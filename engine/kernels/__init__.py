@@ -31,12 +31,13 @@ log = logging.getLogger(__name__)
 # The module is built for one of two instruction sets, the first this CPU has (the sources are
 # written once over simd.h's vector type). -fopenmp: at::parallel_for is OpenMP inline code.
 BUILDS = (  # (name, CPU flags it needs, compiler flags)
-    # (every CPU with AVX-512 bf16 has VNNI too: Cooper Lake, Sapphire Rapids and later, Zen 4 and later)
+    # (every CPU with AVX-512 bf16 has VNNI too: Cooper Lake, Sapphire Rapids and later, Zen 4 and later;
+    # and F16C, the half-precision conversions GGUF block scales take)
     ("avx512", {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"},
-     ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni"]),
+     ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mf16c"]),
     ("avx2", {"avx2", "fma"}, ["-O3", "-fopenmp", "-mavx2", "-mfma"]),
 )
-SOURCES = ("cpu_gemv.cpp", "cpu_attention.cpp", "cpu_decode.cpp")
+SOURCES = ("cpu_gemv.cpp", "cpu_attention.cpp", "cpu_decode.cpp", "cpu_gguf.cpp")
 
 
 def kernel_files(folder: str) -> list[str]:

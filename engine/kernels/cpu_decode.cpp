@@ -31,6 +31,7 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor w
 torch::Tensor rms_norm_chunks(torch::Tensor x, int64_t n, double eps);
 std::vector<torch::Tensor> topk_log_softmax(torch::Tensor x, int64_t k, torch::Tensor d2t);
 int64_t int8_in_features(const torch::Tensor& wq);
+int64_t gguf_in_features(const torch::Tensor& w);
 extern const int64_t STREAM_NTA_BYTES;
 extern thread_local bool stream_nta;
 std::vector<torch::Tensor> build_batch(const std::vector<std::vector<int64_t>>& tokens,
@@ -114,8 +115,9 @@ void add_rows_into(const T* a, const T* b, T* dst, int64_t stride, int64_t rows,
 }
 
 // A linear's inputs from the weight the native kernels read: [N, K], pack_bf16's [N/32, K/2, 64]
-// or pack_int8's (either layout)
+// or pack_int8's (either layout), or a packed GGUF weight (uint8, one dimension)
 int64_t in_features(const torch::Tensor& w) {
+  if (w.dim() == 1 && w.scalar_type() == at::kByte) return gguf_in_features(w);
   if (w.dim() != 3) return w.size(1);
   return w.scalar_type() == at::kChar ? int8_in_features(w) : w.size(1) * 2;
 }

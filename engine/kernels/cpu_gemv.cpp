@@ -714,8 +714,13 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& wq, const
   return y;
 }
 
+bool is_gguf_weight(const torch::Tensor& w);
+torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
+                          bool float_out, const torch::Tensor* into);
+
 torch::Tensor skinny_linear_into(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
                                 bool float_out, const torch::Tensor* into) {
+  if (is_gguf_weight(w)) return gguf_linear(x, w, bias, float_out, into);  // engine/quant.py's packed GGUF blocks
   if (w.dim() == 3 && w.scalar_type() == at::kChar) return int8_linear(x, w, bias, float_out, into);  // pack_int8's layout
   if (w.dim() == 3) return packed_linear(x, w, bias, float_out, into);  // pack_bf16's layout
   check(x, w, bias);
@@ -766,6 +771,7 @@ torch::Tensor rms_norm_chunks(torch::Tensor x, int64_t n, double eps);
 torch::Tensor argmax_rows(torch::Tensor x);
 std::vector<torch::Tensor> topk_log_softmax(torch::Tensor x, int64_t k, torch::Tensor d2t);
 void register_decode_stack(pybind11::module& m);
+void register_gguf(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_bf16", &pack_bf16, "bf16 weight [N, K] -> the packed layout skinny_linear also takes");
@@ -791,4 +797,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "packed bf16 products through AMX tiles (default: where the CPU and OS have them)");
   m.def("amx", []() { return use_amx; }, "whether packed bf16 products use AMX tiles");
   register_decode_stack(m);
+  register_gguf(m);
 }

@@ -216,7 +216,7 @@ class LlamaForCausalLM(nn.Module):
     def prepack(self, native: bool = True) -> int:
         """Set up the fast CPU paths: every linear's, and the native decode stack."""
         packed = sum(m.prepack(native) for m in self.modules() if isinstance(m, Linear))
-        weights_to_arena([m for m in self.modules() if isinstance(m, Linear)])
+        weights_to_arena([m for m in self.modules() if isinstance(m, Linear)], also=(self.model.embed_tokens,))
         self._stack, self._stack_max_rows = native_stack(self.model.layers, self.model.norm, self.config,
                                                          self.lm_head.weight.dtype, native)
         linears = [m for m in self.model.layers.modules() if isinstance(m, Linear)]

@@ -23,6 +23,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from eagle_serve.engine import quant
 from eagle_serve.engine.attention import AttentionBackend
 from eagle_serve.engine.forward_batch import ForwardBatch
 from eagle_serve.engine.kv_cache import KVCache
@@ -162,7 +163,7 @@ def load_eagle3_head(path: str, target: LlamaForCausalLM, dtype: torch.dtype) ->
     token_ids = _token_ids(weights.pop("d2t", None), weights.pop("t2d", None), layout.draft_vocab_size, t.vocab_size,
                            path)
     embed = weights.pop("embed_tokens.weight", None)
-    own = target.model.embed_tokens.weight.data
+    own = quant.dense_weight(target.model.embed_tokens)
     shared = embed is None or (embed.shape == own.shape and torch.equal(embed.to(own.device, dtype), own.to(dtype)))
     if embed is None and H != cfg.hidden_size:
         raise ModelLoadError(f"EAGLE-3 head {path!r}: its hidden size {cfg.hidden_size} differs from the target's "

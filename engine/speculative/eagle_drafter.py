@@ -20,8 +20,9 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
-from eagle_serve.engine import hugepages
+from eagle_serve.engine import hugepages, quant
 from eagle_serve.engine.attention import make_backend
 from eagle_serve.engine.forward_batch import SeqSpan, build_forward_batch, take_rows
 from eagle_serve.engine.kv_cache import KVCache
@@ -82,6 +83,8 @@ class EagleDrafter(Drafter):
         self.rotary = head.rotary if head.rotary is not None else (
             target.model.rotary if shares_target_rotary(cfg, target.config) else _rotary(cfg))
         self.embed = head.embed_tokens if head.embed_tokens is not None else target.model.embed_tokens
+        if quant.is_quantized(self.embed):  # the native draft paths read a dense table (vocab x hidden at dtype)
+            self.embed = nn.Embedding.from_pretrained(quant.dense_weight(self.embed), freeze=True)
         # per KV slot: 1 once the head's KV there was written from the slot's current feature and
         # the pair that follows it (a consumed pair), 0 from the feature's write until then. A
         # sequence that hits the prefix cache reads it to know how much of the shared prefix's

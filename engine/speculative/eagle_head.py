@@ -26,7 +26,7 @@ import os
 import torch
 from torch import nn
 
-from eagle_serve.engine import kernels
+from eagle_serve.engine import kernels, quant
 from eagle_serve.engine.attention import AttentionBackend
 from eagle_serve.engine.forward_batch import ForwardBatch
 from eagle_serve.engine.kv_cache import KVCache
@@ -67,7 +67,7 @@ class EagleHead(nn.Module):
         self._stack_max_rows = 0
 
     def set_draft_vocab(self, d2t: torch.Tensor, target: LlamaForCausalLM) -> None:
-        w = target.lm_head.weight.data
+        w = quant.dense_weight(target.lm_head)  # (dequantized rows where the target's are GGUF blocks)
         self.d2t = d2t.to(device=w.device, dtype=torch.long)
         self.lm_head = Linear(w.shape[1], len(d2t))
         self.lm_head.weight.data = w[self.d2t].contiguous()
@@ -287,7 +287,7 @@ def _load(head: EagleHead, weights: dict, target: LlamaForCausalLM, dtype: torch
     def renamed():
         for name, w in weights.items():
             if name.endswith("embed_tokens.weight"):  # tolerated if it is the target's own
-                if not torch.equal(w.to(dtype), target.model.embed_tokens.weight.data.to(dtype)):
+                if not torch.equal(w.to(dtype), quant.dense_weight(target.model.embed_tokens).to(dtype)):
                     raise ModelLoadError(f"draft head {path!r}: its embed_tokens differ from the target's")
                 continue
             yield name.removeprefix("model.").replace("layers.0.", "layer."), w

@@ -1,0 +1,440 @@
+// Products with GGUF block-quantized weights (llama.cpp's Q8_0, Q4_0, Q4_1, Q4_K, Q6_K), kept in
+// their block formats: a decode step streams the file's bytes, not a bf16 copy of them.
+//
+// A weight is one uint8 tensor (engine/quant.py packs it): a 128-byte header of int64s
+//   [MAGIC, N, K, segments, (ggml type, rows, byte offset) x up to 4]
+// then the segments' rows, each in its GGUF block layout. Segments stack along N, so a fused
+// q/k/v (or gate/up) whose parts were quantized to different types (Q4_K_M's Q6_K value rows)
+// is still one weight.
+//
+// Weights are dequantized to float32 a chunk of 8 rows at a time into L1 (the exact value
+// d * scale * q + offset llama.cpp's dequantize_row_* computes) and every input row takes its
+// products with them from there, accumulating in float32 (`tile`): a row's result does not
+// depend on how many rows share the call, and it differs from a float64 product with the
+// dequantized weights only by accumulation order (tests/test_quant.py).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+
+#include "simd.h"
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t MAGIC = 0x31544e5146474745;  // "EGGFQNT1" little-endian
+constexpr int64_t HEADER_BYTES = 128;
+constexpr int MAX_SEGMENTS = 4;
+// ggml type ids
+constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14;
+
+struct BlockType {
+  int64_t elements, bytes;
+};
+
+BlockType block_type(int64_t type) {
+  switch (type) {
+    case Q4_0: return {32, 18};
+    case Q4_1: return {32, 20};
+    case Q8_0: return {32, 34};
+    case Q4_K: return {256, 144};
+    case Q6_K: return {256, 210};
+    default: TORCH_CHECK(false, "GGUF block type ", type, " has no native kernel");
+  }
+  return {0, 0};
+}
+
+inline float half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);  // one instruction
+#else
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+#endif
+}
+
+struct Segment {
+  int64_t type, rows, first_row, row_bytes;
+  const uint8_t* data;
+};
+
+struct Weight {
+  int64_t N = 0, K = 0;
+  std::vector<Segment> segs;
+};
+
+Weight parse(const torch::Tensor& w) {
+  TORCH_CHECK(w.dim() == 1 && w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() >= HEADER_BYTES,
+              "w: a packed GGUF weight (engine/quant.py)");
+  const auto* base = w.data_ptr<uint8_t>();
+  int64_t h[HEADER_BYTES / 8];
+  std::memcpy(h, base, HEADER_BYTES);
+  TORCH_CHECK(h[0] == MAGIC && h[3] >= 1 && h[3] <= MAX_SEGMENTS, "w: not a packed GGUF weight");
+  Weight out;
+  out.N = h[1];
+  out.K = h[2];
+  int64_t row = 0;
+  for (int64_t s = 0; s < h[3]; ++s) {
+    const int64_t type = h[4 + 3 * s], rows = h[5 + 3 * s], offset = h[6 + 3 * s];
+    const BlockType bt = block_type(type);
+    TORCH_CHECK(out.K % bt.elements == 0, "w: K is not a multiple of the block size");
+    const int64_t row_bytes = out.K / bt.elements * bt.bytes;
+    TORCH_CHECK(offset >= HEADER_BYTES && offset + rows * row_bytes <= w.numel(), "w: segment out of bounds");
+    out.segs.push_back({type, rows, row, row_bytes, base + offset});
+    row += rows;
+  }
+  TORCH_CHECK(row == out.N, "w: segments do not add up to N rows");
+  return out;
+}
+
+// row n's bytes and type
+inline const uint8_t* row_of(const Weight& w, int64_t n, int64_t& type) {
+  for (const auto& s : w.segs)
+    if (n < s.first_row + s.rows) {
+      type = s.type;
+      return s.data + (n - s.first_row) * s.row_bytes;
+    }
+  return nullptr;
+}
+
+// 6-bit scale and min j of a Q4_K super-block's 12 scale bytes (llama.cpp's get_scale_min_k4)
+inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& m) {
+  if (j < 4) {
+    sc = q[j] & 63;
+    m = q[j + 4] & 63;
+  } else {
+    sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+#if EAGLE_DPBF16  // the AVX-512 build: 16 weights a vector
+// 16 unsigned / signed bytes -> float32 a * q + b
+inline void put_u8(float* out, __m128i q, float a, float b) {
+  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q));
+  _mm512_storeu_ps(out, _mm512_fmadd_ps(_mm512_set1_ps(a), f, _mm512_set1_ps(b)));
+}
+inline void put_i8(float* out, __m128i q, float a) {
+  _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_set1_ps(a), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q))));
+}
+#else  // portable: scalar loops (the compiler vectorizes them for the AVX2 build)
+inline void put_u8(float* out, const uint8_t* q, float a, float b) {
+  for (int i = 0; i < 16; ++i) out[i] = a * static_cast<float>(q[i]) + b;
+}
+#endif
+
+void dequant_q8_0(const uint8_t* p, int64_t K, float* out) {
+  for (int64_t k = 0; k < K; k += 32, p += 34) {
+    const float d = half(p);
+#if EAGLE_DPBF16
+    put_i8(out + k, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2)), d);
+    put_i8(out + k + 16, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 18)), d);
+#else
+    for (int i = 0; i < 32; ++i) out[k + i] = d * static_cast<float>(static_cast<int8_t>(p[2 + i]));
+#endif
+  }
+}
+
+// Q4_0 (w = d * (q - 8)) and Q4_1 (w = d * q + m): element i of a block is the low nibble of
+// byte i, element 16 + i its high nibble
+template <bool with_min>
+void dequant_q4(const uint8_t* p, int64_t K, float* out) {
+  constexpr int64_t bytes = with_min ? 20 : 18, qs = with_min ? 4 : 2;
+  for (int64_t k = 0; k < K; k += 32, p += bytes) {
+    const float d = half(p), b = with_min ? half(p + 2) : -8.f * d;
+#if EAGLE_DPBF16
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + qs)), lo4 = _mm_set1_epi8(0x0F);
+    put_u8(out + k, _mm_and_si128(v, lo4), d, b);
+    put_u8(out + k + 16, _mm_and_si128(_mm_srli_epi16(v, 4), lo4), d, b);
+#else
+    for (int i = 0; i < 16; ++i) {
+      out[k + i] = d * static_cast<float>(p[qs + i] & 0xF) + b;
+      out[k + 16 + i] = d * static_cast<float>(p[qs + i] >> 4) + b;
+    }
+#endif
+  }
+}
+
+// Q4_K: 256 weights in 8 sub-blocks of 32, w = d * sc_j * q - dmin * m_j; bytes 32c..32c+31 of
+// qs hold sub-block 2c in their low nibbles, 2c + 1 in their high ones
+void dequant_q4_k(const uint8_t* p, int64_t K, float* out) {
+  for (int64_t k = 0; k < K; k += 256, p += 144) {
+    const float d = half(p), dmin = half(p + 2);
+    const uint8_t* scales = p + 4;
+    const uint8_t* qs = p + 16;
+    for (int c = 0; c < 4; ++c) {
+      int sc0, m0, sc1, m1;
+      scale_min_k4(2 * c, scales, sc0, m0);
+      scale_min_k4(2 * c + 1, scales, sc1, m1);
+      const float a0 = d * sc0, b0 = -dmin * m0, a1 = d * sc1, b1 = -dmin * m1;
+      float* o = out + k + 64 * c;
+      const uint8_t* q = qs + 32 * c;
+#if EAGLE_DPBF16
+      const __m128i lo4 = _mm_set1_epi8(0x0F);
+      for (int h = 0; h < 2; ++h) {
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * h));
+        put_u8(o + 16 * h, _mm_and_si128(v, lo4), a0, b0);
+        put_u8(o + 32 + 16 * h, _mm_and_si128(_mm_srli_epi16(v, 4), lo4), a1, b1);
+      }
+#else
+      for (int i = 0; i < 32; ++i) {
+        o[i] = a0 * static_cast<float>(q[i] & 0xF) + b0;
+        o[32 + i] = a1 * static_cast<float>(q[i] >> 4) + b1;
+      }
+#endif
+    }
+  }
+}
+
+// Q6_K: 256 weights, w = d * sc[e / 16] * (q - 32), q 6 bits: its low 4 in ql, its high 2 in
+// qh. Per half of 128: element l (< 32) has ql[l] low, qh[l] bits 0-1; 32 + l: ql[32 + l] low,
+// qh[l] bits 2-3; 64 + l: ql[l] high, bits 4-5; 96 + l: ql[32 + l] high, bits 6-7
+void dequant_q6_k(const uint8_t* p, int64_t K, float* out) {
+  for (int64_t k = 0; k < K; k += 256, p += 210) {
+    const float d = half(p + 208);
+    const auto* sc = reinterpret_cast<const int8_t*>(p + 192);
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* ql = p + 64 * h;
+      const uint8_t* qh = p + 128 + 32 * h;
+      const int8_t* s = sc + 8 * h;
+      float* o = out + k + 128 * h;
+#if EAGLE_DPBF16
+      const __m128i lo4 = _mm_set1_epi8(0x0F), lo2 = _mm_set1_epi8(0x03);
+      for (int i = 0; i < 2; ++i) {  // l in 16i..16i+15
+        const __m128i l0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ql + 16 * i));
+        const __m128i l1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ql + 32 + 16 * i));
+        const __m128i hb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qh + 16 * i));
+        const __m128i q[4] = {
+            _mm_or_si128(_mm_and_si128(l0, lo4), _mm_slli_epi16(_mm_and_si128(hb, lo2), 4)),
+            _mm_or_si128(_mm_and_si128(l1, lo4), _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(hb, 2), lo2), 4)),
+            _mm_or_si128(_mm_and_si128(_mm_srli_epi16(l0, 4), lo4),
+                         _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(hb, 4), lo2), 4)),
+            _mm_or_si128(_mm_and_si128(_mm_srli_epi16(l1, 4), lo4),
+                         _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(hb, 6), lo2), 4))};
+        for (int g = 0; g < 4; ++g) {  // elements 32g + 16i .. +15, scale s[2g + i]
+          const float a = d * s[2 * g + i];
+          put_u8(o + 32 * g + 16 * i, q[g], a, -32.f * a);
+        }
+      }
+#else
+      for (int l = 0; l < 32; ++l) {
+        const int q1 = (ql[l] & 0xF) | ((qh[l] & 3) << 4), q2 = (ql[32 + l] & 0xF) | (((qh[l] >> 2) & 3) << 4);
+        const int q3 = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4), q4 = (ql[32 + l] >> 4) | (((qh[l] >> 6) & 3) << 4);
+        const int is = l / 16;
+        o[l] = d * s[is] * static_cast<float>(q1 - 32);
+        o[32 + l] = d * s[is + 2] * static_cast<float>(q2 - 32);
+        o[64 + l] = d * s[is + 4] * static_cast<float>(q3 - 32);
+        o[96 + l] = d * s[is + 6] * static_cast<float>(q4 - 32);
+      }
+#endif
+    }
+  }
+}
+
+void dequant_row(int64_t type, const uint8_t* p, int64_t K, float* out) {
+  switch (type) {
+    case Q8_0: return dequant_q8_0(p, K, out);
+    case Q4_0: return dequant_q4<false>(p, K, out);
+    case Q4_1: return dequant_q4<true>(p, K, out);
+    case Q4_K: return dequant_q4_k(p, K, out);
+    case Q6_K: return dequant_q6_k(p, K, out);
+    default: TORCH_CHECK(false, "GGUF block type ", type, " has no native kernel");
+  }
+}
+
+// Products are register tiles of MB input rows by R weight rows over a chunk of CHUNK weights:
+// the weight rows' chunk dequantized into L1, each input row's chunk from L1, float32 vector
+// accumulators kept per (input row, weight row) across chunks and summed across lanes at the end.
+constexpr int R = 8;
+constexpr int64_t CHUNK = 256;  // a multiple of every block size (32, 256)
+constexpr int64_t PREFETCH_CHUNKS = 4;
+
+template <int MB>
+inline void tile(const float* x, int64_t ldx, const float* w, eagle_simd::vf* acc) {
+  using namespace eagle_simd;
+  vf a[MB][R];
+#pragma GCC unroll 16
+  for (int j = 0; j < MB; ++j)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) a[j][r] = acc[j * R + r];
+  for (int64_t k = 0; k < CHUNK; k += VL) {
+    vf wv[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) wv[r] = load16(w + r * CHUNK + k);
+#pragma GCC unroll 2
+    for (int j = 0; j < MB; ++j) {
+      const vf xv = load16(x + j * ldx + k);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) a[j][r] = vfmadd(xv, wv[r], a[j][r]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int j = 0; j < MB; ++j)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[j * R + r] = a[j][r];
+}
+
+inline uint16_t to_bf16(float f) {  // round to nearest even
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffff) > 0x7f800000) return 0x7fc0;  // NaN
+  bits += 0x7fff + ((bits >> 16) & 1);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+}  // namespace
+
+int64_t gguf_in_features(const torch::Tensor& w) { return parse(w).K; }
+
+bool is_gguf_weight(const torch::Tensor& w) { return w.dim() == 1 && w.scalar_type() == at::kByte; }
+
+torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
+                          bool float_out, const torch::Tensor* into) {
+  const Weight wt = parse(w);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == wt.K && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "x: bf16 or float32 [M, K] matching the weight's K");
+  const int64_t M = x.size(0), N = wt.N, K = wt.K;
+  torch::Tensor b32;
+  if (bias) {
+    TORCH_CHECK(bias->numel() == N, "bias: N values");
+    b32 = bias->to(at::kFloat).contiguous();
+  }
+  const auto dtype = float_out ? at::kFloat : x.scalar_type();
+  torch::Tensor y;
+  if (into) {
+    TORCH_CHECK(into->dim() == 2 && into->size(0) == M && into->size(1) == N && into->is_contiguous() &&
+                into->scalar_type() == dtype, "into: contiguous [M, N] of the output's dtype");
+    y = *into;
+  } else {
+    y = torch::empty({M, N}, x.options().dtype(dtype));
+  }
+  if (M == 0 || N == 0) return y;
+  const torch::Tensor x32 = x.to(at::kFloat).contiguous();
+  const float* xp = x32.data_ptr<float>();
+  const float* bp = bias ? b32.data_ptr<float>() : nullptr;
+  float* yf = dtype == at::kFloat ? y.data_ptr<float>() : nullptr;
+  auto* yh = dtype == at::kFloat ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  at::parallel_for(0, (N + R - 1) / R, 1, [&](int64_t g0, int64_t g1) {
+    using namespace eagle_simd;
+    // denormal inputs treated as zero, denormal results flushed to zero (MXCSR DAZ | FTZ), as the
+    // bf16 dot products of the dense path do: a denormal operand costs an FMA ~100 cycles (a real
+    // model's activations hold some: 20x slower decoding, measured)
+    const unsigned csr = _mm_getcsr();
+    _mm_setcsr(csr | 0x8040);
+    alignas(64) float wbuf[R * CHUNK];
+    std::vector<vf> acc(M * R);
+    const uint8_t* rows[R];
+    int64_t types[R];
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t n0 = g * R, nr = std::min<int64_t>(R, N - n0);
+      for (int r = 0; r < R; ++r) rows[r] = row_of(wt, n0 + std::min<int64_t>(r, nr - 1), types[r]);
+      std::fill(acc.begin(), acc.end(), vzero());
+      BlockType bts[R];
+      for (int r = 0; r < R; ++r) bts[r] = block_type(types[r]);
+      for (int64_t k0 = 0; k0 < K; k0 += CHUNK) {
+        const int64_t kc = std::min(CHUNK, K - k0);
+        // the 8 rows are 8 streams the hardware prefetcher follows poorly: ask for the chunk
+        // PREFETCH_CHUNKS ahead of each (a prefetch past the row's end is harmless)
+        for (int r = 0; r < R; ++r) {
+          const int64_t cb = CHUNK / bts[r].elements * bts[r].bytes;
+          const char* ahead = reinterpret_cast<const char*>(rows[r] + (k0 / bts[r].elements) * bts[r].bytes + PREFETCH_CHUNKS * cb);
+          for (int64_t b = 0; b < cb; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+        }
+        for (int r = 0; r < R; ++r) {
+          const BlockType bt = bts[r];
+          float* o = wbuf + r * CHUNK;
+          dequant_row(types[r], rows[r] + k0 / bt.elements * bt.bytes, kc, o);
+          std::fill(o + kc, o + CHUNK, 0.f);  // (a last chunk shorter than CHUNK)
+        }
+        const float* xk = xp + k0;
+        if (kc < CHUNK) {  // copy the inputs' short last chunk, zero-padded
+          std::vector<float> xs(M * CHUNK, 0.f);
+          for (int64_t m = 0; m < M; ++m) std::memcpy(xs.data() + m * CHUNK, xk + m * K, kc * sizeof(float));
+          for (int64_t m = 0; m < M; m += 2) {
+            if (M - m >= 2) tile<2>(xs.data() + m * CHUNK, CHUNK, wbuf, acc.data() + m * R);
+            else tile<1>(xs.data() + m * CHUNK, CHUNK, wbuf, acc.data() + m * R);
+          }
+          continue;
+        }
+        for (int64_t m = 0; m < M; m += 2) {
+          if (M - m >= 2) tile<2>(xk + m * K, K, wbuf, acc.data() + m * R);
+          else tile<1>(xk + m * K, K, wbuf, acc.data() + m * R);
+        }
+      }
+      for (int64_t m = 0; m < M; ++m)
+        for (int r = 0; r < nr; ++r) {
+          const int64_t n = n0 + r;
+          const float v = vsum(acc[m * R + r]) + (bp ? bp[n] : 0.f);
+          if (yf) yf[m * N + n] = v; else yh[m * N + n] = to_bf16(v);
+        }
+    }
+    _mm_setcsr(csr);
+  });
+  return y;
+}
+
+// rows `ids` of the weight, dequantized: float32 [len(ids), K] (an embedding lookup; every row
+// for a whole-matrix copy when ids is empty and all is true)
+torch::Tensor gguf_rows(torch::Tensor w, torch::Tensor ids) {
+  const Weight wt = parse(w);
+  TORCH_CHECK(ids.scalar_type() == at::kLong, "ids: int64");
+  const torch::Tensor idc = ids.contiguous();
+  const int64_t T = idc.numel(), K = wt.K;
+  const int64_t* ip = idc.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(ip[t] >= 0 && ip[t] < wt.N, "gguf_rows: row id out of range");
+  torch::Tensor out = torch::empty({T, K}, torch::dtype(at::kFloat));
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      int64_t type = 0;
+      const uint8_t* row = row_of(wt, ip[t], type);
+      dequant_row(type, row, K, op + t * K);
+    }
+  });
+  return out;
+}
+
+torch::Tensor gguf_dequantize(torch::Tensor w) {
+  const Weight wt = parse(w);
+  return gguf_rows(w, torch::arange(wt.N, torch::dtype(at::kLong)));
+}
+
+// y = x @ w.T (+ bias) for many rows of x (prompt chunks): tiles of TILE weight rows dequantized
+// to float32, each multiplied by the whole input with at::mm (float32 BLAS). The weight is read
+// once per call; the float tile stays in cache while the product runs.
+constexpr int64_t TILE = 256;
+
+torch::Tensor gguf_mm(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, bool float_out) {
+  const Weight wt = parse(w);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == wt.K && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "x: bf16 or float32 [M, K] matching the weight's K");
+  const int64_t M = x.size(0), N = wt.N, K = wt.K;
+  const torch::Tensor x32 = x.to(at::kFloat).contiguous();
+  torch::Tensor y = torch::empty({M, N}, x.options().dtype(at::kFloat));
+  torch::Tensor tile = torch::empty({TILE, K}, torch::dtype(at::kFloat));
+  float* tp = tile.data_ptr<float>();
+  for (int64_t n0 = 0; n0 < N; n0 += TILE) {
+    const int64_t rows = std::min(TILE, N - n0);
+    at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        int64_t type = 0;
+        const uint8_t* row = row_of(wt, n0 + r, type);
+        dequant_row(type, row, K, tp + r * K);
+      }
+    });
+    auto part = y.narrow(1, n0, rows);
+    part.copy_(at::mm(x32, tile.narrow(0, 0, rows).t()));
+  }
+  if (bias) y.add_(bias->to(at::kFloat));
+  return float_out ? y : y.to(x.scalar_type());
+}
+
+void register_gguf(pybind11::module& m) {
+  m.def("gguf_mm", &gguf_mm, "y = x @ w.T (+ bias) for a packed GGUF weight and many rows of x (tiles dequantized)");
+  m.def("gguf_rows", &gguf_rows, "rows of a packed GGUF weight, dequantized to float32 [len(ids), K]");
+  m.def("gguf_dequantize", &gguf_dequantize, "a packed GGUF weight dequantized to float32 [N, K]");
+  m.def("gguf_in_features", &gguf_in_features, "K of a packed GGUF weight");
+}
