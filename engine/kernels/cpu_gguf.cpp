@@ -245,7 +245,8 @@ void dequant_row(int64_t type, const uint8_t* p, int64_t K, float* out) {
   }
 }
 
-// Products are register tiles of MB input rows by R weight rows over a chunk of CHUNK weights:
+#if !EAGLE_DPBF16
+// The AVX2 build's products are register tiles of MB input rows by R weight rows over a chunk of CHUNK weights:
 // the weight rows' chunk dequantized into L1, each input row's chunk from L1, float32 vector
 // accumulators kept per (input row, weight row) across chunks and summed across lanes at the end.
 constexpr int R = 8;
@@ -276,6 +277,163 @@ inline void tile(const float* x, int64_t ldx, const float* w, eagle_simd::vf* ac
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) acc[j * R + r] = a[j][r];
 }
+#endif
+
+#if EAGLE_DPBF16
+// The AVX-512 build multiplies a weight row at a time, its blocks decoded into registers: 32
+// weights as two vectors of 16 floats, each multiplied into up to MB input rows, one sequential
+// stream per thread (what the hardware prefetcher follows best), no buffer round trip.
+
+// A block's scales: for the K-quants a super-block's (decoded once for its 8 sub-blocks of 32)
+struct Scales {
+  float a[16], o[16];  // per 16 weights: w = a * q + o
+};
+
+template <int64_t TYPE>
+inline void scales(const uint8_t* row, int64_t sb, Scales& sc) {  // super-block sb (K-quants)
+  if constexpr (TYPE == Q4_K) {
+    const uint8_t* p = row + sb * 144;
+    const float d = half(p), dmin = half(p + 2);
+    for (int j = 0; j < 8; ++j) {
+      int s, m;
+      scale_min_k4(j, p + 4, s, m);
+      sc.a[2 * j] = sc.a[2 * j + 1] = d * s;
+      sc.o[2 * j] = sc.o[2 * j + 1] = -dmin * m;
+    }
+  } else if constexpr (TYPE == Q6_K) {  // per 16 weights in order: sc[e / 16]
+    const uint8_t* p = row + sb * 210;
+    const float d = half(p + 208);
+    const auto* s = reinterpret_cast<const int8_t*>(p + 192);
+    for (int i = 0; i < 16; ++i) {
+      sc.a[i] = d * s[i];
+      sc.o[i] = -32.f * sc.a[i];
+    }
+  }
+}
+
+inline __m512i u8_lanes(const uint8_t* p) {  // 16 bytes -> 16 int32 lanes
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m512 nib(__m512i v, int shift) {  // a nibble of each lane, as float
+  return _mm512_cvtepi32_ps(_mm512_and_si512(shift ? _mm512_srli_epi32(v, 4) : v, _mm512_set1_epi32(0xF)));
+}
+
+// weights 64u..64u+63 of a row as four vectors of 16 (for the K-quants the super-block's scales
+// are in `sc`)
+template <int64_t TYPE>
+inline void decode(const uint8_t* row, int64_t u, const Scales& sc, __m512* w) {
+  if constexpr (TYPE == Q8_0) {
+    for (int i = 0; i < 2; ++i) {
+      const uint8_t* p = row + (2 * u + i) * 34;
+      const __m512 d = _mm512_set1_ps(half(p));
+      w[2 * i] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2)))));
+      w[2 * i + 1] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 18)))));
+    }
+  } else if constexpr (TYPE == Q4_0 || TYPE == Q4_1) {
+    constexpr int64_t bytes = TYPE == Q4_1 ? 20 : 18, qs = TYPE == Q4_1 ? 4 : 2;
+    for (int i = 0; i < 2; ++i) {
+      const uint8_t* p = row + (2 * u + i) * bytes;
+      const float dv = half(p);
+      const __m512 d = _mm512_set1_ps(dv), m = _mm512_set1_ps(TYPE == Q4_1 ? half(p + 2) : -8.f * dv);
+      const __m512i q = u8_lanes(p + qs);
+      w[2 * i] = _mm512_fmadd_ps(d, nib(q, 0), m);
+      w[2 * i + 1] = _mm512_fmadd_ps(d, nib(q, 4), m);
+    }
+  } else if constexpr (TYPE == Q4_K) {  // chunk c = u % 4: qs[32c..] low nibbles sub-block 2c, high 2c + 1
+    const int c = static_cast<int>(u & 3);
+    const uint8_t* q = row + (u >> 2) * 144 + 16 + 32 * c;
+    const __m512i v0 = u8_lanes(q), v1 = u8_lanes(q + 16);
+    const __m512 a0 = _mm512_set1_ps(sc.a[4 * c]), o0 = _mm512_set1_ps(sc.o[4 * c]);
+    const __m512 a1 = _mm512_set1_ps(sc.a[4 * c + 2]), o1 = _mm512_set1_ps(sc.o[4 * c + 2]);
+    w[0] = _mm512_fmadd_ps(a0, nib(v0, 0), o0);
+    w[1] = _mm512_fmadd_ps(a0, nib(v1, 0), o0);
+    w[2] = _mm512_fmadd_ps(a1, nib(v0, 4), o1);
+    w[3] = _mm512_fmadd_ps(a1, nib(v1, 4), o1);
+  } else {  // Q6_K: half h, u2 = u % 2: sub-blocks g = 2 u2 + t (t = 0, 1) read ql[32t + l] nibble u2, qh[l] bits 2g
+    const uint8_t* p = row + (u >> 2) * 210;
+    const int h = static_cast<int>((u >> 1) & 1), u2 = static_cast<int>(u & 1);
+    const uint8_t* ql = p + 64 * h;
+    const uint8_t* qh = p + 128 + 32 * h;
+    const __m512i lo2 = _mm512_set1_epi32(0x3);
+    for (int i = 0; i < 2; ++i) {  // l in 16i..16i+15
+      const __m512i hb = u8_lanes(qh + 16 * i);
+      for (int t = 0; t < 2; ++t) {
+        const int g = 2 * u2 + t;
+        const __m512i l = u8_lanes(ql + 32 * t + 16 * i);
+        const __m512i lo = _mm512_and_si512(u2 ? _mm512_srli_epi32(l, 4) : l, _mm512_set1_epi32(0xF));
+        const __m512i q = _mm512_or_si512(lo, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(hb, 2 * g), lo2), 4));
+        const int e = 8 * h + 2 * g + i;  // weights 16e..16e+15 of the super-block
+        w[2 * t + i] = _mm512_fmadd_ps(_mm512_set1_ps(sc.a[e]), _mm512_cvtepi32_ps(q), _mm512_set1_ps(sc.o[e]));
+      }
+    }
+  }
+}
+
+template <int64_t TYPE, int MB>
+void row_products(const uint8_t* row, int64_t K, const float* x, int64_t ldx, float* out) {
+  constexpr bool k_quant = TYPE == Q4_K || TYPE == Q6_K;
+  constexpr int NA = 2;  // accumulators a row (the same for every MB: a row's sum must not depend on M)
+  __m512 acc[MB][NA];
+  for (int j = 0; j < MB; ++j)
+    for (int i = 0; i < NA; ++i) acc[j][i] = _mm512_setzero_ps();
+  Scales sc;
+  for (int64_t u = 0; u < K / 64; ++u) {
+    if (k_quant && (u & 3) == 0) scales<TYPE>(row, u >> 2, sc);
+    __m512 w[4];
+    decode<TYPE>(row, u, sc, w);
+#pragma GCC unroll 8
+    for (int j = 0; j < MB; ++j) {
+      const float* xu = x + j * ldx + 64 * u;
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) acc[j][i % NA] = _mm512_fmadd_ps(w[i], _mm512_loadu_ps(xu + 16 * i), acc[j][i % NA]);
+    }
+  }
+  if (K % 64) {  // a last block of 32 (the 32-weight types)
+    alignas(64) float tail[32];
+    const int64_t last = K / 32 - 1;
+    dequant_row(TYPE, row + last * block_type(TYPE).bytes, 32, tail);
+    for (int j = 0; j < MB; ++j)
+      for (int i = 0; i < 2; ++i)
+        acc[j][i] = _mm512_fmadd_ps(_mm512_load_ps(tail + 16 * i), _mm512_loadu_ps(x + j * ldx + 32 * last + 16 * i), acc[j][i]);
+  }
+  for (int j = 0; j < MB; ++j) {
+    __m512 t = acc[j][0];
+    for (int i = 1; i < NA; ++i) t = _mm512_add_ps(t, acc[j][i]);
+    out[j] = _mm512_reduce_add_ps(t);
+  }
+}
+
+template <int64_t TYPE>
+void row_products_any(const uint8_t* row, int64_t K, const float* x, int64_t M, float* out) {
+  constexpr int MAXB = 8;
+  for (int64_t m = 0; m < M; m += MAXB) {
+    const float* xm = x + m * K;
+    float* o = out + m;
+    switch (std::min<int64_t>(MAXB, M - m)) {
+      case 1: row_products<TYPE, 1>(row, K, xm, K, o); break;
+      case 2: row_products<TYPE, 2>(row, K, xm, K, o); break;
+      case 3: row_products<TYPE, 3>(row, K, xm, K, o); break;
+      case 4: row_products<TYPE, 4>(row, K, xm, K, o); break;
+      case 5: row_products<TYPE, 5>(row, K, xm, K, o); break;
+      case 6: row_products<TYPE, 6>(row, K, xm, K, o); break;
+      case 7: row_products<TYPE, 7>(row, K, xm, K, o); break;
+      default: row_products<TYPE, 8>(row, K, xm, K, o); break;
+    }
+  }
+}
+
+// out[m] = row . x[m] for m < M
+void row_dots(int64_t type, const uint8_t* row, int64_t K, const float* x, int64_t M, float* out) {
+  switch (type) {
+    case Q8_0: return row_products_any<Q8_0>(row, K, x, M, out);
+    case Q4_0: return row_products_any<Q4_0>(row, K, x, M, out);
+    case Q4_1: return row_products_any<Q4_1>(row, K, x, M, out);
+    case Q4_K: return row_products_any<Q4_K>(row, K, x, M, out);
+    case Q6_K: return row_products_any<Q6_K>(row, K, x, M, out);
+    default: TORCH_CHECK(false, "GGUF block type ", type, " has no native kernel");
+  }
+}
+#endif
 
 inline uint16_t to_bf16(float f) {  // round to nearest even
   uint32_t bits;
@@ -317,6 +475,24 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& w, const 
   const float* bp = bias ? b32.data_ptr<float>() : nullptr;
   float* yf = dtype == at::kFloat ? y.data_ptr<float>() : nullptr;
   auto* yh = dtype == at::kFloat ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+#if EAGLE_DPBF16
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    const unsigned csr = _mm_getcsr();
+    _mm_setcsr(csr | 0x8040);  // (DAZ | FTZ: see below)
+    std::vector<float> out(M);
+    for (int64_t n = n0; n < n1; ++n) {
+      int64_t type = 0;
+      const uint8_t* row = row_of(wt, n, type);
+      row_dots(type, row, K, xp, M, out.data());
+      const float b = bp ? bp[n] : 0.f;
+      for (int64_t m = 0; m < M; ++m) {
+        const float v = out[m] + b;
+        if (yf) yf[m * N + n] = v; else yh[m * N + n] = to_bf16(v);
+      }
+    }
+    _mm_setcsr(csr);
+  });
+#else
   at::parallel_for(0, (N + R - 1) / R, 1, [&](int64_t g0, int64_t g1) {
     using namespace eagle_simd;
     // denormal inputs treated as zero, denormal results flushed to zero (MXCSR DAZ | FTZ), as the
@@ -373,6 +549,7 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& w, const 
     }
     _mm_setcsr(csr);
   });
+#endif
   return y;
 }
 
