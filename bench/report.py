@@ -365,6 +365,46 @@ def model_families() -> Section:
                    d.get("command", "python bench/bench_families.py"), rows, note)
 
 
+def quantized() -> Section:
+    """GGUF files decoded with their blocks kept (eagle-serve) and by llama.cpp, alternating."""
+    name = "quantized.json"
+    d = load(name)
+    labels = {"ours": "eagle-serve", "ours-dense": "eagle-serve, dequantized to bf16 (`--quantization none`)",
+              "ours-eagle": "eagle-serve + EAGLE head", "ours-dense-eagle": "eagle-serve bf16 + EAGLE head"}
+    rows = [["file", "weights MB", "system", "tok/s, 1 sequence", "x llama.cpp", "tok/s, 8 sequences", "x llama.cpp",
+             "bytes a step / file's", "memory MB (weights + KV)"]]
+    for f in d["files"]:
+        sm = f["summary"]
+        ref1, ref8 = sm.get("llamacpp-bench x1", {}), sm.get("llamacpp-batched x8", {})
+        mb = f"{f['weight_bytes'] / 1e6:.0f}"
+        if ref1.get("n") or ref8.get("n"):
+            rows.append([f["name"], mb, "llama.cpp", f1(ref1["median_tok_s"]) if ref1.get("n") else "-", "",
+                         f1(ref8["median_tok_s"]) if ref8.get("n") else "-", "", "", ""])
+        for key, label in labels.items():
+            one, eight, w = sm.get(f"{key} x1", {}), sm.get(f"{key} x8", {}), f.get("workers", {}).get(key)
+            if not (one.get("n") or eight.get("n")):
+                continue
+            streamed = f"{w['bytes_streamed_per_step'] / f['weight_bytes']:.2f}" if w and "bytes_streamed_per_step" in w else "-"
+            mem = (f"{(w['rss_after_load_bytes'] - w['rss_before_load_bytes']) / 1e6:.0f} "
+                   f"({w['weights_in_memory_bytes'] / 1e6:.0f} + {w['kv_cache_bytes'] / 1e6:.0f})"
+                   if w and "rss_before_load_bytes" in w else "-")
+            rows.append([f["name"], mb, label, f1(one["median_tok_s"]) if one.get("n") else "-",
+                         f2(one["ratio_to_llamacpp-bench_x1"]) if "ratio_to_llamacpp-bench_x1" in one else "-",
+                         f1(eight["median_tok_s"]) if eight.get("n") else "-",
+                         f2(eight["ratio_to_llamacpp-batched_x8"]) if "ratio_to_llamacpp-batched_x8" in eight else "-",
+                         streamed, mem])
+    c = d["config"]
+    note = (f"Decode tokens/s (medians of {c['repeats']} runs, systems alternating): llama.cpp's `llama-bench -n "
+            f"{c['max_new']}` (one sequence) and `llama-batched-bench -npl 8` (eight), eagle-serve's offline `LLM` "
+            f"on the same file, greedy, {c['max_new']} new tokens a sequence, prefill left out. Random-weight Llama "
+            f"files at Llama-3.2-1B / 3B shapes (bench/make_random_gguf.py) and the default model requantized to "
+            f"Q8_0. Memory: the worker's resident memory gained by loading (its weights in memory + its KV cache "
+            f"in parentheses).")
+    return Section("Quantized GGUF weights: eagle-serve and llama.cpp on the same files", name, cpu(d["env"], "threads")
+                   if d["env"].get("threads") else f"{d['env']['cpu_model']}, {c['threads']} threads, torch {d['env'].get('torch', '?')}",
+                   d["env"]["command"], rows, note)
+
+
 def eagle3_vs_eagle2() -> Section:
     """The two recipes trained side by side on the same data, tokens and held-out split."""
     e3, e2 = load("head_curve_eagle3.json"), load("head_curve_eagle2_fused.json")
@@ -396,7 +436,7 @@ def sections() -> list[Section]:
             speculative("eagle3_vs_shipped_speed.json", "Draft head: the EAGLE-3 run against the shipped head",
                         " Rows marked `@eagle3-smollm2` draft with the EAGLE-3 head of the comparison above "
                         "(322,599 training tokens), the others with the shipped head, in the same run."),
-            eagle3_interop(), structured_output(), model_families(), linear(),
+            eagle3_interop(), structured_output(), model_families(), quantized(), linear(),
             attention(), kernels_ab(), startup(), reliability(), soak(), gpu_check()]
 
 

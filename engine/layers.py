@@ -28,10 +28,10 @@ INT8_MAX_ROWS = 4
 # instruction keep them ahead of bf16 up to a draft level of several sequences (bench/bench_spec.py
 # --draft-quantization w8a8 --compare-quantization int8).
 W8A8_MAX_ROWS = 16
-# Up to how many rows GGUF block weights go to the native kernel (a weight row dequantized once,
-# a float32 dot product for each input row); more rows dequantize tiles for float32 BLAS
-# (quant.matmul). Picked by bench/bench_quantized.py --kernels.
-GGUF_MAX_ROWS = 16
+# Up to how many rows GGUF block weights go to the native kernel (a weight row's blocks decoded in
+# registers, multiplied into up to 8 input rows at a time); more rows dequantize tiles for float32 BLAS
+# (quant.matmul): the two take about as long at 24-32 rows (Q8_0, Q4_0, Q4_K; 2048 x 8192).
+GGUF_MAX_ROWS = 24
 
 
 def packed_max_rows(in_features: int, wide: bool = True) -> int:

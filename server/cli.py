@@ -62,7 +62,8 @@ def _add_engine_args(p: argparse.ArgumentParser, batch: bool = True) -> None:
                         "products or the native kernels, else float32")
     p.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
                    help="auto: a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K weights stay in their blocks on the "
-                        "CPU (native kernels; other types are dequantized); none: dequantize every weight to "
+                        "CPU (native kernels; other types, and the embedded default model, are dequantized); none: "
+                        "dequantize every weight to "
                         "--dtype; int8: quantize a Hugging Face checkpoint's linears to Q8_0 blocks at load")
     p.add_argument("--device", default="auto",
                    help=f"one of {', '.join(DEVICES)} or cuda:N; auto: cuda when torch sees a GPU, else cpu")

@@ -7,11 +7,11 @@
 // q/k/v (or gate/up) whose parts were quantized to different types (Q4_K_M's Q6_K value rows)
 // is still one weight.
 //
-// Weights are dequantized to float32 a chunk of 8 rows at a time into L1 (the exact value
-// d * scale * q + offset llama.cpp's dequantize_row_* computes) and every input row takes its
-// products with them from there, accumulating in float32 (`tile`): a row's result does not
-// depend on how many rows share the call, and it differs from a float64 product with the
-// dequantized weights only by accumulation order (tests/test_quant.py).
+// Weights are decoded to float32 (the exact value d * scale * q + offset llama.cpp's
+// dequantize_row_* computes) and multiplied into the inputs in float32 (`row_products` in the
+// AVX-512 build, `tile` in the AVX2 one): a row's result does not depend on how many rows share
+// the call, and it differs from a float64 product with the dequantized weights only by
+// accumulation order (tests/test_quant.py).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -33,6 +33,10 @@ constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14;
 struct BlockType {
   int64_t elements, bytes;
 };
+
+constexpr int64_t block_bytes(int64_t type) {
+  return type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q8_0 ? 34 : type == Q4_K ? 144 : 210;
+}
 
 BlockType block_type(int64_t type) {
   switch (type) {
@@ -120,11 +124,7 @@ inline void put_u8(float* out, __m128i q, float a, float b) {
 inline void put_i8(float* out, __m128i q, float a) {
   _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_set1_ps(a), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q))));
 }
-#else  // portable: scalar loops (the compiler vectorizes them for the AVX2 build)
-inline void put_u8(float* out, const uint8_t* q, float a, float b) {
-  for (int i = 0; i < 16; ++i) out[i] = a * static_cast<float>(q[i]) + b;
-}
-#endif
+#endif  // (the AVX2 build's loops are scalar; the compiler vectorizes them)
 
 void dequant_q8_0(const uint8_t* p, int64_t K, float* out) {
   for (int64_t k = 0; k < K; k += 32, p += 34) {
@@ -280,9 +280,10 @@ inline void tile(const float* x, int64_t ldx, const float* w, eagle_simd::vf* ac
 #endif
 
 #if EAGLE_DPBF16
-// The AVX-512 build multiplies a weight row at a time, its blocks decoded into registers: 32
-// weights as two vectors of 16 floats, each multiplied into up to MB input rows, one sequential
-// stream per thread (what the hardware prefetcher follows best), no buffer round trip.
+// The AVX-512 build multiplies a weight row at a time, its blocks decoded into registers: 64
+// weights as four vectors of 16 floats, each multiplied into up to MB input rows; a thread's rows
+// are one sequential stream, read PREFETCH_BYTES ahead.
+constexpr int64_t PREFETCH_BYTES = 2048;
 
 // A block's scales: for the K-quants a super-block's (decoded once for its 8 sub-blocks of 32)
 struct Scales {
@@ -377,7 +378,14 @@ void row_products(const uint8_t* row, int64_t K, const float* x, int64_t ldx, fl
   for (int j = 0; j < MB; ++j)
     for (int i = 0; i < NA; ++i) acc[j][i] = _mm512_setzero_ps();
   Scales sc;
+  constexpr int64_t per_block = TYPE == Q4_K || TYPE == Q6_K ? 256 : 32;
+  const char* ahead = reinterpret_cast<const char*>(row) + PREFETCH_BYTES;
   for (int64_t u = 0; u < K / 64; ++u) {
+    // the bytes PREFETCH_BYTES past this unit's (the next rows follow this one in memory: the
+    // stream runs on into them); a unit is at most 68 bytes, two lines cover it
+    const char* p = ahead + u * 64 * block_bytes(TYPE) / per_block;
+    _mm_prefetch(p, _MM_HINT_T0);
+    _mm_prefetch(p + 63, _MM_HINT_T0);
     if (k_quant && (u & 3) == 0) scales<TYPE>(row, u >> 2, sc);
     __m512 w[4];
     decode<TYPE>(row, u, sc, w);
@@ -553,8 +561,7 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& w, const 
   return y;
 }
 
-// rows `ids` of the weight, dequantized: float32 [len(ids), K] (an embedding lookup; every row
-// for a whole-matrix copy when ids is empty and all is true)
+// rows `ids` of the weight, dequantized: float32 [len(ids), K] (an embedding lookup)
 torch::Tensor gguf_rows(torch::Tensor w, torch::Tensor ids) {
   const Weight wt = parse(w);
   TORCH_CHECK(ids.scalar_type() == at::kLong, "ids: int64");
