@@ -87,6 +87,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="before each measurement, wait up to this many seconds for the other processes to be idle")
     ap.add_argument("--append", action="store_true",
                     help="keep the files of an existing --out that this run does not measure (partial runs add up)")
+    ap.add_argument("--memory-only", action="store_true",
+                    help="load each file in an eagle-serve worker and record its memory (no timings) into the "
+                         "files of an existing --out, under `memory`")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.systems = [s for s in args.systems.split(",") if s]
@@ -485,7 +488,7 @@ def environment(args) -> dict:
     from importlib.metadata import version
     env = {"cpu_count": os.cpu_count(), "cpu_model": cpu_model(), "python": platform.python_version(),
            "platform": platform.platform(), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-           "command": " ".join(["bench/bench_quantized.py"] + [a for a in sys.argv[1:] if not a.startswith("/")]),
+           "command": " ".join(["bench/bench_quantized.py"] + ["DIR" if a.startswith("/") else a for a in sys.argv[1:]]),
            "gguf": version("gguf")}
     head = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     env["git_head"] = head or None
@@ -552,11 +555,40 @@ def plot(path: str, files: list[dict]) -> bool:
     return True
 
 
+MEMORY_KEYS = ("quantization", "rss_before_load_bytes", "rss_after_load_bytes", "weights_in_memory_bytes",
+               "quantized_block_bytes", "bytes_streamed_per_step", "kv_cache_bytes")
+
+
+def memory_only(args) -> None:
+    """Each planned file's eagle-serve worker (blocks kept), loaded and closed: its memory figures
+    go into the existing --out's record of that file, with this run's time and command."""
+    with open(args.out) as f:
+        result = json.load(f)
+    by_name = {rec["name"]: rec for rec in result["files"]}
+    env = environment(args)
+    for item in plan(args):
+        rec = by_name.get(item["name"])
+        if rec is None:
+            continue
+        w = Ours(args, file_path(args, item["shape"], item["type"]), None)
+        w.close()
+        rec["memory"] = {"run": {"time": env["time"], "command": env["command"]},
+                         **{k: w.info[k] for k in MEMORY_KEYS if k in w.info}}
+        m = rec["memory"]
+        print(f"{item['name']}: resident +{(m['rss_after_load_bytes'] - m['rss_before_load_bytes']) / 1e6:.0f} MB, "
+              f"weights {m['weights_in_memory_bytes'] / 1e6:.0f} MB, KV {m['kv_cache_bytes'] / 1e6:.0f} MB", flush=True)
+    with open(args.out, "w") as f:
+        json.dump(scrub(result), f, indent=1)
+
+
 def main(argv=None) -> None:
     if "--worker" in (argv if argv is not None else sys.argv[1:]):
         worker_main()
         return
     args = parse_args(argv)
+    if args.memory_only:
+        memory_only(args)
+        return
     files = []
     for item in plan(args):
         rec = bench_file(args, item)

@@ -385,9 +385,10 @@ def quantized() -> Section:
             if not (one.get("n") or eight.get("n")):
                 continue
             streamed = f"{w['bytes_streamed_per_step'] / f['weight_bytes']:.2f}" if w and "bytes_streamed_per_step" in w else "-"
-            mem = (f"{(w['rss_after_load_bytes'] - w['rss_before_load_bytes']) / 1e6:.0f} "
-                   f"({w['weights_in_memory_bytes'] / 1e6:.0f} + {w['kv_cache_bytes'] / 1e6:.0f})"
-                   if w and "rss_before_load_bytes" in w else "-")
+            m = f.get("memory") if key == "ours" and f.get("memory") else w
+            mem = (f"{(m['rss_after_load_bytes'] - m['rss_before_load_bytes']) / 1e6:.0f} "
+                   f"({m['weights_in_memory_bytes'] / 1e6:.0f} + {m['kv_cache_bytes'] / 1e6:.0f})"
+                   if m and "rss_before_load_bytes" in m else "-")
             rows.append([f["name"], mb, label, f1(one["median_tok_s"]) if one.get("n") else "-",
                          f2(one["ratio_to_llamacpp-bench_x1"]) if "ratio_to_llamacpp-bench_x1" in one else "-",
                          f1(eight["median_tok_s"]) if eight.get("n") else "-",
@@ -399,10 +400,13 @@ def quantized() -> Section:
             f"on the same file, greedy, {c['max_new']} new tokens a sequence, prefill left out. Random-weight Llama "
             f"files at Llama-3.2-1B / 3B shapes (bench/make_random_gguf.py) and the default model requantized to "
             f"Q8_0. Memory: the worker's resident memory gained by loading (its weights in memory + its KV cache "
-            f"in parentheses).")
+            f"in parentheses); for the `eagle-serve` rows from a later load of the same files "
+            f"(`bench/bench_quantized.py --memory-only`, after the engine returns the load's freed staging copies "
+            f"to the OS), the other rows from the timed run.")
     return Section("Quantized GGUF weights: eagle-serve and llama.cpp on the same files", name, cpu(d["env"], "threads")
                    if d["env"].get("threads") else f"{d['env']['cpu_model']}, {c['threads']} threads, torch {d['env'].get('torch', '?')}",
-                   d["env"]["command"], rows, note)
+                   "; ".join(dict.fromkeys(f["run"]["command"] for f in d["files"] if "run" in f)) or d["env"]["command"],
+                   rows, note)
 
 
 def eagle3_vs_eagle2() -> Section:

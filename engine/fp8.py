@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from eagle_serve.engine import quant
 from eagle_serve.engine.model_files import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -373,19 +374,13 @@ def attach(tensors, net: torch.nn.Module, device: torch.device) -> None:
              tensors.counts["kept"], tensors.counts["dequantized"])
 
 
-def placeholder(n: int, k: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """[n, k] of NaN in `dtype` that takes one element of memory (a stride-0 view): any use of a
-    FP8 module's float weight shows as NaN."""
-    return torch.full((), float("nan"), dtype=dtype, device=device).expand(n, k)
-
-
 def set_fp8(m, w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
     """Make Linear `m` an FP8 one: `fp8_weight` w [N, K] (float8_e4m3fn), `fp8_scale` [N] float32
     (a scalar is expanded), `weight` the placeholder."""
     n, k = w.shape
     m.fp8_weight = w.contiguous()
     m.fp8_scale = scale.float().reshape(-1).expand(n).contiguous().to(w.device)
-    m.weight.data = placeholder(n, k, dtype, w.device)
+    m.weight.data = quant.placeholder((n, k), dtype, w.device)
 
 
 def quantize_(m, dtype: torch.dtype | None = None) -> None:

@@ -104,6 +104,20 @@ def arena(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
+def trim_heap() -> bool:
+    """Hand the heap's free pages back to the OS (glibc's malloc_trim). Loading frees staging
+    copies of the weights (a GGUF's packed blocks before the arena, for one: 0.46 GB of a 1B Q4_0
+    model's resident memory, measured), which glibc otherwise keeps mapped. False where the C
+    library has no malloc_trim."""
+    import ctypes
+    import ctypes.util
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
 def huge_bytes() -> int:
     """This process's anonymous memory in huge pages now (AnonHugePages of /proc/self/smaps_rollup),
     or -1 where the kernel does not say."""

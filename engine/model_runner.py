@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eagle_serve.engine import kernels
+from eagle_serve.engine import hugepages, kernels
 from eagle_serve.engine.attention import make_backend
 from eagle_serve.engine.config import EngineConfig
 from eagle_serve.engine.cuda_graphs import GraphRunner, scratch_blocks
@@ -93,6 +93,8 @@ class ModelRunner:
         self.draft_int8 = False  # whether the draft head keeps int8 weights (_draft_int8)
         self.draft_int8_inputs = False  # and rounds their inputs to 8 bits too (w8a8)
         self.drafter = self._make_drafter()
+        if self.device.type == "cpu":
+            hugepages.trim_heap()  # the load's freed staging copies back to the OS
         self.timings = PhaseTimes()
         self.graphs = GraphRunner.for_runner(self)  # CUDA graphs for decode / verify; eager on the CPU
         # Fault injection (tests, chaos runs): called with each round's steps after drafting,

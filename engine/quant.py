@@ -175,10 +175,11 @@ def quantize_q8_0(w: torch.Tensor) -> QuantTensor:
     return QuantTensor(Q8_0, blocks.reshape(N, -1).contiguous(), (N, K))
 
 
-def placeholder(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+def placeholder(shape: tuple[int, int], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
     """A weight that costs no memory and keeps its module's shape and dtype: one NaN seen
-    through a stride-0 view, so any use of it where the quantized weight belongs is loud."""
-    return torch.full((), float("nan"), dtype=dtype).expand(*shape)
+    through a stride-0 view, so any use of it where the quantized (GGUF or FP8) weight belongs
+    is loud."""
+    return torch.full((), float("nan"), dtype=dtype, device=device).expand(*shape)
 
 
 class QuantizedEmbedding(nn.Module):

@@ -5,7 +5,6 @@ load option, and what the loader refuses."""
 from __future__ import annotations
 
 import json
-import os
 import random
 
 import numpy as np
@@ -266,3 +265,16 @@ def test_without_native_kernels_gguf_blocks_are_dequantized(tmp_path, monkeypatc
     assert not any(quant.is_quantized(mod) for mod in m.model.modules())
     with pytest.raises(ModelLoadError, match="native kernels"):
         load_model(quantized_gguf, torch.float32, torch.device("cpu"), skip_tokenizer=True, quantization="int8")
+
+
+def test_quantization_flag_reaches_the_engine_config():
+    from eagle_serve.engine.config import EngineConfig
+    from eagle_serve.server.cli import build_parser, engine_kwargs
+    assert engine_kwargs(build_parser().parse_args(["serve"]))["quantization"] == "auto"
+    for value in ("none", "int8"):
+        kw = engine_kwargs(build_parser().parse_args(["generate", "--prompt", "x", "--quantization", value]))
+        assert EngineConfig(**{k: v for k, v in kw.items() if v is not None}).quantization == value
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--quantization", "q4"])
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineConfig(quantization="q4")
