@@ -522,33 +522,39 @@ def print_table(files: list[dict]) -> None:
 
 
 def plot(path: str, files: list[dict]) -> bool:
-    """One panel per batch size: median decode tok/s of each system per file."""
+    """One panel per batch size: eagle-serve's median decode tok/s over llama.cpp's (llama-bench for
+    one sequence, llama-batched-bench for more) per file, one bar per eagle-serve variant."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    keys = {k for f in files for k, v in f["summary"].items() if v.get("n")}
+    keys = {k for f in files for k, v in f["summary"].items() if v.get("n") and k.startswith("ours")}
     batches = sorted({int(k.rsplit(" x", 1)[1]) for k in keys})
+    variants = sorted({k.rsplit(" x", 1)[0] for k in keys}, key=lambda v: (len(v), v))
     if not batches:
         return False
-    fig, axes = plt.subplots(1, len(batches), figsize=(max(6, 1.3 * len(files) + 2) * len(batches) / 1.4, 4.5),
-                             squeeze=False)
+    colors = dict(zip(variants, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    fig, axes = plt.subplots(1, len(batches), figsize=(6.5 * len(batches), 4.5), squeeze=False)
+    width = 0.8 / len(variants)
     for ax, b in zip(axes[0], batches):
-        series = sorted(k.rsplit(" x", 1)[0] for k in keys if k.endswith(f" x{b}"))
-        width = 0.8 / len(series)
-        for i, name in enumerate(series):
-            key = f"{name} x{b}"
-            xs = [j + i * width for j, f in enumerate(files) if f["summary"].get(key, {}).get("n")]
-            ys = [f["summary"][key]["median_tok_s"] for f in files if f["summary"].get(key, {}).get("n")]
-            ax.bar(xs, ys, width, label=name)
-        ax.set_xticks([j + width * (len(series) - 1) / 2 for j in range(len(files))])
+        ref = "llamacpp-bench x1" if b == 1 else f"llamacpp-batched x{b}"
+        for i, name in enumerate(variants):
+            xs, ys = [], []
+            for j, f in enumerate(files):
+                s, r = f["summary"].get(f"{name} x{b}", {}), f["summary"].get(ref, {})
+                if s.get("n") and r.get("n"):
+                    xs.append(j + i * width)
+                    ys.append(s["median_tok_s"] / r["median_tok_s"])
+            ax.bar(xs, ys, width, label=name, color=colors[name])
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks([j + width * (len(variants) - 1) / 2 for j in range(len(files))])
         ax.set_xticklabels([f["name"] for f in files], rotation=30, ha="right", fontsize=8)
-        ax.set_title(f"{b} sequence{'s' if b > 1 else ''}")
-        ax.set_ylabel("decode tok/s (median)")
+        ax.set_title(f"{b} sequence{'s' if b > 1 else ''} (against {ref.rsplit(' x', 1)[0]})")
+        ax.set_ylabel("decode tok/s, eagle-serve / llama.cpp (medians)")
         ax.legend(fontsize=7)
-    fig.suptitle(f"GGUF decode on {files[0].get('threads', '')} threads: eagle-serve vs llama.cpp")
+    fig.suptitle(f"GGUF decode on {files[0].get('threads', '')} threads: eagle-serve over llama.cpp, same files")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
