@@ -15,7 +15,8 @@ Systems, run alternately (per repeat: llama.cpp then eagle-serve, A B A B) --rep
   ours      eagle-serve's offline LLM (server.llm.LLM) on the same file in a worker process of its
             own (this script with --worker), torch threads = T, prefix caching off; greedy,
             ignore_eos, N new tokens for each of B short chat prompts at once (B = 1, 8), plain
-            decoding; for the default model also with its EAGLE head (eagle2).
+            decoding with the blocks kept (`ours`); for the default model also dequantized to bf16
+            (`ours-dense`, --quantization none) and each of the two with its EAGLE head (eagle2).
             decode tok/s = B * (N - 1) / (t(N) - t(1)): the time of a call for N new tokens minus
             that of a call for 1 (prefill and the first token), as llama.cpp's TG figures leave
             prefill out; end-to-end tok/s = B * N / t(N) is kept too.
@@ -28,6 +29,7 @@ the replaced rows are kept as discarded_contended_rows); each measurement first 
 thread barrier of a 2-thread decode, for both systems. --append adds a partial run's files to an
 existing --out.
 Writes --out (default bench/results/quantized.json) and a bar chart next to it (.png, matplotlib).
+`--memory-only` loads each file once more and records the worker's memory under the file's `memory`.
 """
 from __future__ import annotations
 

@@ -113,9 +113,9 @@ def _hf_source(path: str):
         raise ModelLoadError(f"{path}: missing config.json")
     raw = read_json(cfg_file)
     cfg = ModelConfig.from_hf(raw, cfg_file)
-    quant = raw.get("quantization_config")
+    qcfg = raw.get("quantization_config")
     # FP8 ones load (engine/fp8.py); any other is refused: its tensors are not plain weights of the config's shapes
-    scheme = fp8.scheme(quant, cfg_file) if quant else None
+    scheme = fp8.scheme(qcfg, cfg_file) if qcfg else None
     files = _weight_files(path)
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors weight files (pytorch_model.bin is not loaded; "

@@ -4,23 +4,22 @@ A GGUF tensor of one of these types is read as a `QuantTensor` (its raw blocks, 
 per weight row) and packed into one uint8 tensor the native kernels take
 (engine/kernels/cpu_gguf.cpp): a 128-byte header of int64s [MAGIC, N, K, segments, (ggml
 type, rows, byte offset) x up to 4], then each segment's rows. Segments stack along the output
-dimension, so a fused q/k/v whose parts have different types is still one weight. Products
-dequantize a weight row at a time in the kernel and accumulate in float32: the results are
-those of the dequantized weights, up to accumulation order.
+dimension, so a fused q/k/v whose parts have different types is still one weight. The kernel
+decodes a weight row's blocks to float32 and accumulates in float32: the results are those of the
+dequantized weights, up to accumulation order.
 
 `quantize_q8_0` quantizes a float weight into Q8_0 blocks (int8, one fp16 scale per 32
 weights): the `--quantization int8` load option of Hugging Face checkpoints.
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
 
-log = logging.getLogger(__name__)
+from eagle_serve.engine import kernels
 
 MAGIC = 0x31544E5146474745
 HEADER_BYTES = 128
@@ -38,10 +37,6 @@ class QuantTensor:
     ggml_type: int
     blocks: torch.Tensor
     shape: tuple[int, int]
-
-    @property
-    def type_name(self) -> str:
-        return BLOCK_TYPES[self.ggml_type][0]
 
     @staticmethod
     def from_raw(ggml_type: int, raw: np.ndarray, shape: tuple[int, int]) -> "QuantTensor":
@@ -64,10 +59,6 @@ class QuantTensor:
         from gguf.quants import dequantize
         out = dequantize(self.blocks.numpy(), GGMLQuantizationType(self.ggml_type))
         return torch.from_numpy(np.asarray(out, dtype=np.float32).reshape(self.shape).copy())
-
-    @property
-    def nbytes(self) -> int:
-        return self.blocks.numel()
 
 
 def pack(parts: list[QuantTensor]) -> torch.Tensor:
@@ -128,7 +119,6 @@ def unpack(w: torch.Tensor) -> list[QuantTensor]:
 
 def dequantize(w: torch.Tensor) -> torch.Tensor:
     """A packed weight as float32 [N, K]: the native kernel's, else the gguf package's."""
-    from eagle_serve.engine import kernels
     mod = kernels.native()
     if mod is not None:
         return mod.gguf_dequantize(w)
@@ -137,7 +127,6 @@ def dequantize(w: torch.Tensor) -> torch.Tensor:
 
 def rows(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of a packed weight, float32 [len(ids), K]."""
-    from eagle_serve.engine import kernels
     mod = kernels.native()
     if mod is not None:
         return mod.gguf_rows(w, ids.reshape(-1).long())
@@ -147,7 +136,6 @@ def rows(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, float_out: bool) -> torch.Tensor:
     """x @ W.T (+ bias) for a packed weight and any number of rows: the kernel's tiles, or
     (no native kernels) the dequantized weight in float32."""
-    from eagle_serve.engine import kernels
     mod = kernels.native()
     x2 = x.reshape(-1, x.shape[-1])
     if x.dtype not in (torch.float32, torch.bfloat16):  # float64 models: the exact product
@@ -194,9 +182,6 @@ class QuantizedEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         out = rows(self.gguf_weight, ids).to(self.weight.dtype)
         return out.reshape(*ids.shape, self.embedding_dim)
-
-    def dense(self) -> torch.Tensor:
-        return dequantize(self.gguf_weight).to(self.weight.dtype)
 
 
 def is_quantized(module: nn.Module) -> bool:

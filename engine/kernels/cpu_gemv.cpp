@@ -20,13 +20,7 @@
 
 namespace {
 
-inline uint16_t to_bf16(float f) {  // round to nearest even
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  if ((bits & 0x7fffffff) > 0x7f800000) return 0x7fc0;  // NaN
-  bits += 0x7fff + ((bits >> 16) & 1);
-  return static_cast<uint16_t>(bits >> 16);
-}
+using eagle_simd::to_bf16;
 
 inline float bf16_to_float(uint16_t h) {
   uint32_t bits = static_cast<uint32_t>(h) << 16;

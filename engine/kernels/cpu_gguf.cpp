@@ -9,9 +9,9 @@
 //
 // Weights are decoded to float32 (the exact value d * scale * q + offset llama.cpp's
 // dequantize_row_* computes) and multiplied into the inputs in float32 (`row_products` in the
-// AVX-512 build, `tile` in the AVX2 one): a row's result does not depend on how many rows share
-// the call, and it differs from a float64 product with the dequantized weights only by
-// accumulation order (tests/test_quant.py).
+// AVX-512 build; in the AVX2 one a row dequantized, then a dot product per input row): a row's
+// result does not depend on how many rows share the call, and it differs from a float64 product
+// with the dequantized weights only by accumulation order (tests/test_quant.py).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -115,26 +115,12 @@ inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& m) {
   }
 }
 
-#if EAGLE_DPBF16  // the AVX-512 build: 16 weights a vector
-// 16 unsigned / signed bytes -> float32 a * q + b
-inline void put_u8(float* out, __m128i q, float a, float b) {
-  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q));
-  _mm512_storeu_ps(out, _mm512_fmadd_ps(_mm512_set1_ps(a), f, _mm512_set1_ps(b)));
-}
-inline void put_i8(float* out, __m128i q, float a) {
-  _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_set1_ps(a), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q))));
-}
-#endif  // (the AVX2 build's loops are scalar; the compiler vectorizes them)
-
+// Scalar dequantization of whole blocks (llama.cpp's dequantize_row_*): the AVX2 build's, and the
+// AVX-512 build's for a row's last 32 weights where K is not a multiple of 64.
 void dequant_q8_0(const uint8_t* p, int64_t K, float* out) {
   for (int64_t k = 0; k < K; k += 32, p += 34) {
     const float d = half(p);
-#if EAGLE_DPBF16
-    put_i8(out + k, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2)), d);
-    put_i8(out + k + 16, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 18)), d);
-#else
     for (int i = 0; i < 32; ++i) out[k + i] = d * static_cast<float>(static_cast<int8_t>(p[2 + i]));
-#endif
   }
 }
 
@@ -145,16 +131,10 @@ void dequant_q4(const uint8_t* p, int64_t K, float* out) {
   constexpr int64_t bytes = with_min ? 20 : 18, qs = with_min ? 4 : 2;
   for (int64_t k = 0; k < K; k += 32, p += bytes) {
     const float d = half(p), b = with_min ? half(p + 2) : -8.f * d;
-#if EAGLE_DPBF16
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + qs)), lo4 = _mm_set1_epi8(0x0F);
-    put_u8(out + k, _mm_and_si128(v, lo4), d, b);
-    put_u8(out + k + 16, _mm_and_si128(_mm_srli_epi16(v, 4), lo4), d, b);
-#else
     for (int i = 0; i < 16; ++i) {
       out[k + i] = d * static_cast<float>(p[qs + i] & 0xF) + b;
       out[k + 16 + i] = d * static_cast<float>(p[qs + i] >> 4) + b;
     }
-#endif
   }
 }
 
@@ -163,28 +143,16 @@ void dequant_q4(const uint8_t* p, int64_t K, float* out) {
 void dequant_q4_k(const uint8_t* p, int64_t K, float* out) {
   for (int64_t k = 0; k < K; k += 256, p += 144) {
     const float d = half(p), dmin = half(p + 2);
-    const uint8_t* scales = p + 4;
-    const uint8_t* qs = p + 16;
     for (int c = 0; c < 4; ++c) {
       int sc0, m0, sc1, m1;
-      scale_min_k4(2 * c, scales, sc0, m0);
-      scale_min_k4(2 * c + 1, scales, sc1, m1);
+      scale_min_k4(2 * c, p + 4, sc0, m0);
+      scale_min_k4(2 * c + 1, p + 4, sc1, m1);
       const float a0 = d * sc0, b0 = -dmin * m0, a1 = d * sc1, b1 = -dmin * m1;
-      float* o = out + k + 64 * c;
-      const uint8_t* q = qs + 32 * c;
-#if EAGLE_DPBF16
-      const __m128i lo4 = _mm_set1_epi8(0x0F);
-      for (int h = 0; h < 2; ++h) {
-        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * h));
-        put_u8(o + 16 * h, _mm_and_si128(v, lo4), a0, b0);
-        put_u8(o + 32 + 16 * h, _mm_and_si128(_mm_srli_epi16(v, 4), lo4), a1, b1);
-      }
-#else
+      const uint8_t* q = p + 16 + 32 * c;
       for (int i = 0; i < 32; ++i) {
-        o[i] = a0 * static_cast<float>(q[i] & 0xF) + b0;
-        o[32 + i] = a1 * static_cast<float>(q[i] >> 4) + b1;
+        out[k + 64 * c + i] = a0 * static_cast<float>(q[i] & 0xF) + b0;
+        out[k + 64 * c + 32 + i] = a1 * static_cast<float>(q[i] >> 4) + b1;
       }
-#endif
     }
   }
 }
@@ -195,31 +163,11 @@ void dequant_q4_k(const uint8_t* p, int64_t K, float* out) {
 void dequant_q6_k(const uint8_t* p, int64_t K, float* out) {
   for (int64_t k = 0; k < K; k += 256, p += 210) {
     const float d = half(p + 208);
-    const auto* sc = reinterpret_cast<const int8_t*>(p + 192);
     for (int h = 0; h < 2; ++h) {
       const uint8_t* ql = p + 64 * h;
       const uint8_t* qh = p + 128 + 32 * h;
-      const int8_t* s = sc + 8 * h;
+      const auto* s = reinterpret_cast<const int8_t*>(p + 192) + 8 * h;
       float* o = out + k + 128 * h;
-#if EAGLE_DPBF16
-      const __m128i lo4 = _mm_set1_epi8(0x0F), lo2 = _mm_set1_epi8(0x03);
-      for (int i = 0; i < 2; ++i) {  // l in 16i..16i+15
-        const __m128i l0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ql + 16 * i));
-        const __m128i l1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ql + 32 + 16 * i));
-        const __m128i hb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qh + 16 * i));
-        const __m128i q[4] = {
-            _mm_or_si128(_mm_and_si128(l0, lo4), _mm_slli_epi16(_mm_and_si128(hb, lo2), 4)),
-            _mm_or_si128(_mm_and_si128(l1, lo4), _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(hb, 2), lo2), 4)),
-            _mm_or_si128(_mm_and_si128(_mm_srli_epi16(l0, 4), lo4),
-                         _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(hb, 4), lo2), 4)),
-            _mm_or_si128(_mm_and_si128(_mm_srli_epi16(l1, 4), lo4),
-                         _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(hb, 6), lo2), 4))};
-        for (int g = 0; g < 4; ++g) {  // elements 32g + 16i .. +15, scale s[2g + i]
-          const float a = d * s[2 * g + i];
-          put_u8(o + 32 * g + 16 * i, q[g], a, -32.f * a);
-        }
-      }
-#else
       for (int l = 0; l < 32; ++l) {
         const int q1 = (ql[l] & 0xF) | ((qh[l] & 3) << 4), q2 = (ql[32 + l] & 0xF) | (((qh[l] >> 2) & 3) << 4);
         const int q3 = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4), q4 = (ql[32 + l] >> 4) | (((qh[l] >> 6) & 3) << 4);
@@ -229,12 +177,11 @@ void dequant_q6_k(const uint8_t* p, int64_t K, float* out) {
         o[64 + l] = d * s[is + 4] * static_cast<float>(q3 - 32);
         o[96 + l] = d * s[is + 6] * static_cast<float>(q4 - 32);
       }
-#endif
     }
   }
 }
 
-void dequant_row(int64_t type, const uint8_t* p, int64_t K, float* out) {
+void dequant_scalar(int64_t type, const uint8_t* p, int64_t K, float* out) {
   switch (type) {
     case Q8_0: return dequant_q8_0(p, K, out);
     case Q4_0: return dequant_q4<false>(p, K, out);
@@ -245,39 +192,6 @@ void dequant_row(int64_t type, const uint8_t* p, int64_t K, float* out) {
   }
 }
 
-#if !EAGLE_DPBF16
-// The AVX2 build's products are register tiles of MB input rows by R weight rows over a chunk of CHUNK weights:
-// the weight rows' chunk dequantized into L1, each input row's chunk from L1, float32 vector
-// accumulators kept per (input row, weight row) across chunks and summed across lanes at the end.
-constexpr int R = 8;
-constexpr int64_t CHUNK = 256;  // a multiple of every block size (32, 256)
-constexpr int64_t PREFETCH_CHUNKS = 4;
-
-template <int MB>
-inline void tile(const float* x, int64_t ldx, const float* w, eagle_simd::vf* acc) {
-  using namespace eagle_simd;
-  vf a[MB][R];
-#pragma GCC unroll 16
-  for (int j = 0; j < MB; ++j)
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) a[j][r] = acc[j * R + r];
-  for (int64_t k = 0; k < CHUNK; k += VL) {
-    vf wv[R];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) wv[r] = load16(w + r * CHUNK + k);
-#pragma GCC unroll 2
-    for (int j = 0; j < MB; ++j) {
-      const vf xv = load16(x + j * ldx + k);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) a[j][r] = vfmadd(xv, wv[r], a[j][r]);
-    }
-  }
-#pragma GCC unroll 16
-  for (int j = 0; j < MB; ++j)
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) acc[j * R + r] = a[j][r];
-}
-#endif
 
 #if EAGLE_DPBF16
 // The AVX-512 build multiplies a weight row at a time, its blocks decoded into registers: 64
@@ -399,7 +313,7 @@ void row_products(const uint8_t* row, int64_t K, const float* x, int64_t ldx, fl
   if (K % 64) {  // a last block of 32 (the 32-weight types)
     alignas(64) float tail[32];
     const int64_t last = K / 32 - 1;
-    dequant_row(TYPE, row + last * block_type(TYPE).bytes, 32, tail);
+    dequant_scalar(TYPE, row + last * block_type(TYPE).bytes, 32, tail);
     for (int j = 0; j < MB; ++j)
       for (int i = 0; i < 2; ++i)
         acc[j][i] = _mm512_fmadd_ps(_mm512_load_ps(tail + 16 * i), _mm512_loadu_ps(x + j * ldx + 32 * last + 16 * i), acc[j][i]);
@@ -441,15 +355,47 @@ void row_dots(int64_t type, const uint8_t* row, int64_t K, const float* x, int64
     default: TORCH_CHECK(false, "GGUF block type ", type, " has no native kernel");
   }
 }
+
+template <int64_t TYPE>
+void dequant_units(const uint8_t* row, int64_t K, float* out) {  // decode's vectors, stored
+  Scales sc;
+  for (int64_t u = 0; u < K / 64; ++u) {
+    if ((TYPE == Q4_K || TYPE == Q6_K) && (u & 3) == 0) scales<TYPE>(row, u >> 2, sc);
+    __m512 w[4];
+    decode<TYPE>(row, u, sc, w);
+    for (int i = 0; i < 4; ++i) _mm512_storeu_ps(out + 64 * u + 16 * i, w[i]);
+  }
+  if (K % 64) dequant_scalar(TYPE, row + (K / 32 - 1) * block_type(TYPE).bytes, 32, out + K - 32);
+}
 #endif
 
-inline uint16_t to_bf16(float f) {  // round to nearest even
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  if ((bits & 0x7fffffff) > 0x7f800000) return 0x7fc0;  // NaN
-  bits += 0x7fff + ((bits >> 16) & 1);
-  return static_cast<uint16_t>(bits >> 16);
+// a weight row dequantized to float32 [K]
+void dequant_row(int64_t type, const uint8_t* p, int64_t K, float* out) {
+#if EAGLE_DPBF16
+  switch (type) {
+    case Q8_0: return dequant_units<Q8_0>(p, K, out);
+    case Q4_0: return dequant_units<Q4_0>(p, K, out);
+    case Q4_1: return dequant_units<Q4_1>(p, K, out);
+    case Q4_K: return dequant_units<Q4_K>(p, K, out);
+    case Q6_K: return dequant_units<Q6_K>(p, K, out);
+    default: TORCH_CHECK(false, "GGUF block type ", type, " has no native kernel");
+  }
+#else
+  dequant_scalar(type, p, K, out);
+#endif
 }
+
+#if !EAGLE_DPBF16
+inline float dot(const float* x, const float* w, int64_t K) {  // (K a multiple of 32)
+  using namespace eagle_simd;
+  vf a0 = vzero(), a1 = vzero();
+  for (int64_t k = 0; k < K; k += 2 * VL) {
+    a0 = vfmadd(load16(x + k), load16(w + k), a0);
+    a1 = vfmadd(load16(x + k + VL), load16(w + k + VL), a1);
+  }
+  return vsum(vadd(a0, a1));
+}
+#endif
 
 }  // namespace
 
@@ -483,81 +429,33 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& w, const 
   const float* bp = bias ? b32.data_ptr<float>() : nullptr;
   float* yf = dtype == at::kFloat ? y.data_ptr<float>() : nullptr;
   auto* yh = dtype == at::kFloat ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-#if EAGLE_DPBF16
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    // denormal inputs treated as zero, denormal results flushed to zero (MXCSR DAZ | FTZ), as the
+    // bf16 dot products of the dense path do: a denormal operand costs an FMA ~100 cycles, and a
+    // real model's activations hold some
     const unsigned csr = _mm_getcsr();
-    _mm_setcsr(csr | 0x8040);  // (DAZ | FTZ: see below)
+    _mm_setcsr(csr | 0x8040);
     std::vector<float> out(M);
+#if !EAGLE_DPBF16
+    std::vector<float> buf(K);  // the AVX2 build: a row dequantized, then a dot product per input row
+#endif
     for (int64_t n = n0; n < n1; ++n) {
       int64_t type = 0;
       const uint8_t* row = row_of(wt, n, type);
+#if EAGLE_DPBF16
       row_dots(type, row, K, xp, M, out.data());
+#else
+      dequant_row(type, row, K, buf.data());
+      for (int64_t m = 0; m < M; ++m) out[m] = dot(xp + m * K, buf.data(), K);
+#endif
       const float b = bp ? bp[n] : 0.f;
       for (int64_t m = 0; m < M; ++m) {
         const float v = out[m] + b;
-        if (yf) yf[m * N + n] = v; else yh[m * N + n] = to_bf16(v);
+        if (yf) yf[m * N + n] = v; else yh[m * N + n] = eagle_simd::to_bf16(v);
       }
     }
     _mm_setcsr(csr);
   });
-#else
-  at::parallel_for(0, (N + R - 1) / R, 1, [&](int64_t g0, int64_t g1) {
-    using namespace eagle_simd;
-    // denormal inputs treated as zero, denormal results flushed to zero (MXCSR DAZ | FTZ), as the
-    // bf16 dot products of the dense path do: a denormal operand costs an FMA ~100 cycles (a real
-    // model's activations hold some: 20x slower decoding, measured)
-    const unsigned csr = _mm_getcsr();
-    _mm_setcsr(csr | 0x8040);
-    alignas(64) float wbuf[R * CHUNK];
-    std::vector<vf> acc(M * R);
-    const uint8_t* rows[R];
-    int64_t types[R];
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t n0 = g * R, nr = std::min<int64_t>(R, N - n0);
-      for (int r = 0; r < R; ++r) rows[r] = row_of(wt, n0 + std::min<int64_t>(r, nr - 1), types[r]);
-      std::fill(acc.begin(), acc.end(), vzero());
-      BlockType bts[R];
-      for (int r = 0; r < R; ++r) bts[r] = block_type(types[r]);
-      for (int64_t k0 = 0; k0 < K; k0 += CHUNK) {
-        const int64_t kc = std::min(CHUNK, K - k0);
-        // the 8 rows are 8 streams the hardware prefetcher follows poorly: ask for the chunk
-        // PREFETCH_CHUNKS ahead of each (a prefetch past the row's end is harmless)
-        for (int r = 0; r < R; ++r) {
-          const int64_t cb = CHUNK / bts[r].elements * bts[r].bytes;
-          const char* ahead = reinterpret_cast<const char*>(rows[r] + (k0 / bts[r].elements) * bts[r].bytes + PREFETCH_CHUNKS * cb);
-          for (int64_t b = 0; b < cb; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
-        }
-        for (int r = 0; r < R; ++r) {
-          const BlockType bt = bts[r];
-          float* o = wbuf + r * CHUNK;
-          dequant_row(types[r], rows[r] + k0 / bt.elements * bt.bytes, kc, o);
-          std::fill(o + kc, o + CHUNK, 0.f);  // (a last chunk shorter than CHUNK)
-        }
-        const float* xk = xp + k0;
-        if (kc < CHUNK) {  // copy the inputs' short last chunk, zero-padded
-          std::vector<float> xs(M * CHUNK, 0.f);
-          for (int64_t m = 0; m < M; ++m) std::memcpy(xs.data() + m * CHUNK, xk + m * K, kc * sizeof(float));
-          for (int64_t m = 0; m < M; m += 2) {
-            if (M - m >= 2) tile<2>(xs.data() + m * CHUNK, CHUNK, wbuf, acc.data() + m * R);
-            else tile<1>(xs.data() + m * CHUNK, CHUNK, wbuf, acc.data() + m * R);
-          }
-          continue;
-        }
-        for (int64_t m = 0; m < M; m += 2) {
-          if (M - m >= 2) tile<2>(xk + m * K, K, wbuf, acc.data() + m * R);
-          else tile<1>(xk + m * K, K, wbuf, acc.data() + m * R);
-        }
-      }
-      for (int64_t m = 0; m < M; ++m)
-        for (int r = 0; r < nr; ++r) {
-          const int64_t n = n0 + r;
-          const float v = vsum(acc[m * R + r]) + (bp ? bp[n] : 0.f);
-          if (yf) yf[m * N + n] = v; else yh[m * N + n] = to_bf16(v);
-        }
-    }
-    _mm_setcsr(csr);
-  });
-#endif
   return y;
 }
 

@@ -17,6 +17,14 @@
 
 namespace eagle_simd {
 
+inline uint16_t to_bf16(float f) {  // round to nearest even (denormals kept, NaN -> 0x7fc0)
+  uint32_t bits;
+  __builtin_memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffff) > 0x7f800000) return 0x7fc0;  // NaN
+  bits += 0x7fff + ((bits >> 16) & 1);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
 constexpr int VL = 16;  // lanes of vf
 // e^f's Taylor coefficients after 1/7!, by Horner's rule from 1/6! down to 1 (exp_ps)
 constexpr float EXP_TAYLOR[] = {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f};
