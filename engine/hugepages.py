@@ -106,9 +106,9 @@ def arena(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def trim_heap() -> bool:
     """Hand the heap's free pages back to the OS (glibc's malloc_trim). Loading frees staging
-    copies of the weights (a GGUF's packed blocks before the arena, for one: 0.46 GB of a 1B Q4_0
-    model's resident memory, measured), which glibc otherwise keeps mapped. False where the C
-    library has no malloc_trim."""
+    copies of the weights (a GGUF's packed blocks before the arena, for one), which glibc
+    otherwise keeps mapped: resident memory stays near the weights' bytes plus the KV cache
+    (bench/results/quantized.json). False where the C library has no malloc_trim."""
     import ctypes
     import ctypes.util
     try:
